@@ -1,0 +1,96 @@
+"""Where verifiers get their randomness from.
+
+Every verifier draws its coins and tokens through a small `Sampler` interface instead of calling
+`torch.rand` directly. `TorchSampler` is the real thing (one `torch.Generator`, or torch's global
+RNG). `specblock.evaluate.verify.exact.ExactSampler` implements the same three calls by walking every
+outcome with its exact probability, which is how the tests prove each verifier lossless by exact
+enumeration of the very code that runs in decoding.
+
+The three calls are the only random decisions any verifier makes:
+- `first_failure(a)`: independent coins, return the first i whose coin fails, or len(a)
+  (token-wise speculative sampling's sequential accept loop),
+- `bernoulli(a)`: one coin,
+- `categorical(w)`: one token from non-negative weights w (normalised inside).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import torch
+
+# Acceptance arithmetic runs in float64, as vLLM does: float32 ratios of small probabilities lose
+# the 1e-9 exactness the tests check.
+ACC_DTYPE = torch.float64
+
+
+class Sampler(Protocol):
+    def first_failure(self, a: torch.Tensor) -> int: ...
+
+    def bernoulli(self, a: float) -> bool: ...
+
+    def categorical(self, weights: torch.Tensor) -> int: ...
+
+
+class TorchSampler:
+    """Draws every coin and token from one `torch.Generator` (None: torch's global RNG)."""
+
+    def __init__(self, generator: torch.Generator | None = None):
+        self.generator = generator
+
+    def _uniform(self, n: int, device: torch.device) -> torch.Tensor:
+        gen_device = self.generator.device if self.generator is not None else torch.device("cpu")
+        u = torch.rand(n, generator=self.generator, dtype=ACC_DTYPE, device=gen_device)
+        return u.to(device)
+
+    def first_failure(self, a: torch.Tensor) -> int:
+        """a: [n] probabilities. Returns min{i : eta_i >= a_i} with eta i.i.d. U(0,1), or n."""
+        misses = torch.nonzero(self._uniform(a.numel(), a.device) >= a)
+        return int(misses[0]) if misses.numel() else a.numel()
+
+    def bernoulli(self, a: float) -> bool:
+        return bool(self._uniform(1, torch.device("cpu"))[0] < a)
+
+    def categorical(self, weights: torch.Tensor) -> int:
+        """weights: [V] non-negative, not necessarily normalised, with a positive sum.
+
+        Inverse-CDF sampling: the first index whose cumulative weight exceeds u * total. A zero-weight
+        token can never be that index. (torch.multinomial costs about 2 ms at V = 128k on CPU, 25x more.)
+        """
+        cdf = torch.cumsum(weights, 0, dtype=ACC_DTYPE)  # float32 running sums drift at V = 128k
+        u = self._uniform(1, weights.device) * cdf[-1]
+        return min(int(torch.searchsorted(cdf, u, right=True)), weights.numel() - 1)
+
+
+def make_sampler(generator: torch.Generator | None, sampler: Sampler | None) -> Sampler:
+    """The sampler a verifier uses: an explicit one (exact enumeration), else a TorchSampler."""
+    return sampler if sampler is not None else TorchSampler(generator)
+
+
+def residual(weights: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+    """Guarded normalisation of a residual law.
+
+    weights: [..., V] non-negative (e.g. max(q - p, 0)); fallback: [..., V], used where a row sums to
+    0. Such rows are reached with probability 0 (VERIFIERS.md section 10), so any law is fine there;
+    the fallback only keeps the arithmetic finite.
+    """
+    total = weights.sum(-1, keepdim=True)
+    return torch.where(total > 0, weights / total.clamp_min(torch.finfo(weights.dtype).tiny), fallback)
+
+
+def backward_scan(sampler: Sampler, weight: Callable[[int], float], n: int) -> int:
+    """tau = max{i in 1..n : eta_i < h_i}, else 0, scanning i = n..1 and computing h_i = weight(i) only
+    when its coin is flipped (VERIFIERS.md section 1: the backward scan equals the max-form in law).
+    The weights below the accepted length are never computed."""
+    for i in range(n, 0, -1):
+        if sampler.bernoulli(weight(i)):
+            return i
+    return 0
+
+
+def first_success(sampler: Sampler, a: torch.Tensor) -> int:
+    """min{i : eta_i < a_i} for independent coins, or len(a) if none succeeds.
+
+    Equal in law to `first_failure(1 - a)`: eta >= 1 - a iff (1 - eta) <= a, and 1 - eta ~ U(0, 1).
+    """
+    return sampler.first_failure(1.0 - a)
