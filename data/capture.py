@@ -1,0 +1,261 @@
+"""Offline target features: run the frozen target once over tokenized rows and store, per token, the chosen
+hidden states and the final hidden state as safetensors shards + manifest.json. Logits are not stored
+(V is large): `FeatureTarget.logits_from_hidden(last_hidden)` recomputes them through the frozen LM head.
+
+Shard layout (rows packed end to end, no padding; row r is tokens offsets[r]:offsets[r+1]):
+  features    [N_tok, L*H]  bf16/fp16   hidden_states[feature_layers] concatenated (low|mid|high)
+  last_hidden [N_tok, H]    bf16/fp16   after the final norm, what the LM head reads
+  input_ids   [N_tok] int32, loss_mask [N_tok] uint8, offsets [rows+1] int64, row_index [rows] int64
+Shard s holds the valid rows s*shard_rows ... (s+1)*shard_rows-1. Each shard is written atomically and
+carries a fingerprint of its settings and inputs, so a re-run skips finished shards (resume) and refuses
+shards made from something else. manifest.json is written last: its presence means the capture is complete.
+
+Size cap policy: with `max_gb` set, a capture whose projected size exceeds it is REFUSED before anything is
+written (the message says how many rows would fit); cap it explicitly with `max_rows`. Nothing is silently
+truncated.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+
+from .errors import BadInputError, RowPolicy
+from .io import atomic_path, sha256_file
+from .manifest import (IDENTITY_FIELDS, MANIFEST_NAME, Manifest, ShardInfo, chat_template_hash, check, code_git_sha,
+                       read_manifest, tokenizer_hash, write_manifest)
+from .target import FeatureTarget
+
+FEATURE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+# 128 rows x 2k tokens x 4 states x 576 x 2 B is ~1.2 GB for SmolLM2: big enough that shard overhead is
+# nil, small enough to hold in memory while it is filled and to lose little work on a crash.
+DEFAULT_SHARD_ROWS = 128
+GB = 1e9
+# Per token, besides the hidden states: int32 input id + uint8 loss mask.
+_TOKEN_OVERHEAD_BYTES = 5
+_TENSORS = ("features", "last_hidden", "input_ids", "loss_mask", "offsets", "row_index")
+
+
+@dataclass
+class CaptureConfig:
+    """How to capture: stored dtype, truncation, rows per forward and per shard, and caps."""
+
+    dtype: str = "bfloat16"
+    max_length: int = 2048
+    batch_size: int = 8
+    shard_rows: int = DEFAULT_SHARD_ROWS
+    max_gb: float | None = None
+    max_rows: int | None = None
+    on_bad_row: str = "error"
+
+    def __post_init__(self):
+        if self.dtype not in FEATURE_DTYPES:
+            raise ValueError(f"capture.dtype={self.dtype!r} is not one of {sorted(FEATURE_DTYPES)}")
+        if min(self.max_length, self.batch_size, self.shard_rows) < 1:
+            raise ValueError(f"capture needs max_length, batch_size and shard_rows >= 1, got {self}")
+        if self.max_gb is not None and self.max_gb <= 0:
+            raise ValueError(f"capture.max_gb must be positive, got {self.max_gb}")
+        if self.max_rows is not None and self.max_rows < 1:
+            raise ValueError(f"capture.max_rows must be >= 1, got {self.max_rows}")
+        RowPolicy(self.on_bad_row)  # validates the value
+
+
+@dataclass
+class CapturePlan:
+    """The valid rows (indices into the input) and their token counts after truncation."""
+
+    indices: list[int] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)
+    truncated: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.lengths)
+
+
+class CaptureTooLargeError(ValueError):
+    """The projected capture exceeds max_gb."""
+
+
+def bytes_per_token(num_layers: int, hidden_size: int, dtype: str) -> int:
+    """Stored bytes per token: (feature layers + final hidden) x H x dtype size, plus id and mask."""
+    return (num_layers + 1) * hidden_size * FEATURE_DTYPES[dtype].itemsize + _TOKEN_OVERHEAD_BYTES
+
+
+def _validate_row(row: Any, index: int, source: str, vocab_size: int) -> int:
+    """Returns the row's length; raises BadInputError naming source, row and field if it is malformed."""
+    if not isinstance(row, Mapping):
+        raise BadInputError(source, index, None, f"expected a dict with input_ids and loss_mask, got {type(row).__name__}")
+    for name in ("input_ids", "loss_mask"):
+        value = row.get(name)
+        if value is None:
+            raise BadInputError(source, index, name, "missing")
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            raise BadInputError(source, index, name, "expected a list of ints")
+    ids, mask = row["input_ids"], row["loss_mask"]
+    if not ids:
+        raise BadInputError(source, index, "input_ids", "empty")
+    if len(mask) != len(ids):
+        raise BadInputError(source, index, "loss_mask", f"length {len(mask)} != len(input_ids) {len(ids)}")
+    if any(v not in (0, 1) for v in mask):
+        raise BadInputError(source, index, "loss_mask", "values must be 0 or 1")
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        raise BadInputError(source, index, "input_ids", f"token id outside the target vocabulary [0, {vocab_size})")
+    return len(ids)
+
+
+def plan_capture(rows: Sequence[Mapping], cfg: CaptureConfig, vocab_size: int, source: str) -> CapturePlan:
+    """Validates every row (bad ones raise or are skipped and counted, per cfg.on_bad_row), truncates to
+    cfg.max_length and stops after cfg.max_rows valid rows."""
+    policy, plan = RowPolicy(cfg.on_bad_row), CapturePlan()
+    for index in tqdm(range(len(rows)), desc="check rows", unit="row", leave=False):
+        if cfg.max_rows is not None and len(plan.indices) == cfg.max_rows:
+            break
+        try:
+            length = _validate_row(rows[index], index, source, vocab_size)
+        except BadInputError as err:
+            policy.bad(err)
+            continue
+        plan.indices.append(index)
+        plan.lengths.append(min(length, cfg.max_length))
+        plan.truncated += length > cfg.max_length
+    if policy.total_skipped:
+        print(f"capture: {policy.summary()}")
+    return plan
+
+
+def check_size(plan: CapturePlan, target: FeatureTarget, cfg: CaptureConfig) -> int:
+    """Prints the projected size and returns it in bytes; refuses (CaptureTooLargeError) above cfg.max_gb."""
+    per_token = bytes_per_token(len(target.feature_layers), target.hidden_size, cfg.dtype)
+    total = plan.num_tokens * per_token
+    print(f"capture: {len(plan.indices)} rows, {plan.num_tokens} tokens x ({len(target.feature_layers)} layers + "
+          f"final) x {target.hidden_size} x {FEATURE_DTYPES[cfg.dtype].itemsize} B = {total / GB:.3f} GB"
+          f" ({plan.truncated} rows truncated to {cfg.max_length} tokens)")
+    if cfg.max_gb is not None and total > cfg.max_gb * GB:
+        fit = sum(1 for tokens in itertools.accumulate(plan.lengths) if tokens * per_token <= cfg.max_gb * GB)
+        raise CaptureTooLargeError(f"capture would write {total / GB:.3f} GB > max_gb={cfg.max_gb}; nothing "
+                                   f"written. Raise max_gb, or set max_rows={fit} to capture the rows that fit.")
+    return total
+
+
+Rows = dict[int, tuple[list[int], list[int]]]  # input index -> (input_ids, loss_mask), truncated
+
+
+def _load_rows(rows: Sequence[Mapping], indices: list[int], max_length: int) -> Rows:
+    """Reads one shard's rows once (a datasets.Dataset decodes on every access) and truncates them."""
+    return {i: (list(rows[i]["input_ids"][:max_length]), list(rows[i]["loss_mask"][:max_length])) for i in indices}
+
+
+def _fingerprint(identity: Mapping[str, Any], shard: Rows) -> str:
+    """sha256 of the capture settings and the (truncated) inputs of one shard."""
+    h = hashlib.sha256(json.dumps(identity, sort_keys=True).encode())
+    for i, (ids, mask) in shard.items():
+        h.update(json.dumps([i, ids, mask]).encode())
+    return h.hexdigest()
+
+
+def _capture_shard(target: FeatureTarget, shard: Rows, cfg: CaptureConfig, bar: tqdm) -> dict[str, torch.Tensor]:
+    """Runs the target over one shard's rows (length-sorted batches, less padding) and packs the real tokens."""
+    dtype = FEATURE_DTYPES[cfg.dtype]
+    per_row: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    order = sorted(shard, key=lambda i: len(shard[i][0]))
+    for start in range(0, len(order), cfg.batch_size):
+        batch = order[start:start + cfg.batch_size]
+        seqs = [torch.tensor(shard[i][0]) for i in batch]
+        input_ids = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True)  # [B,T], right-padded with 0
+        mask = torch.nn.utils.rnn.pad_sequence([torch.ones_like(s) for s in seqs], batch_first=True)
+        out = target(input_ids, mask, with_logits=False)
+        for b, i in enumerate(batch):
+            n = len(seqs[b])
+            per_row[i] = (out.features[b, :n].to("cpu", dtype), out.last_hidden[b, :n].to("cpu", dtype))
+        bar.update(sum(len(s) for s in seqs))
+    lengths = torch.tensor([len(ids) for ids, _ in shard.values()])
+    return {
+        "features": torch.cat([per_row[i][0] for i in shard]),
+        "last_hidden": torch.cat([per_row[i][1] for i in shard]),
+        "input_ids": torch.tensor([t for ids, _ in shard.values() for t in ids], dtype=torch.int32),
+        "loss_mask": torch.tensor([m for _, mask in shard.values() for m in mask], dtype=torch.uint8),
+        "offsets": torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]),
+        "row_index": torch.tensor(list(shard), dtype=torch.int64),
+    }
+
+
+def _shard_fingerprint(path: Path) -> str | None:
+    with safe_open(str(path), framework="pt") as f:
+        return (f.metadata() or {}).get("fingerprint")
+
+
+def capture_features(target: FeatureTarget, rows: Sequence[Mapping], out_dir: str | Path,
+                     cfg: CaptureConfig | None = None, *, tokenizer: Any, source: str = "rows") -> Path:
+    """Captures features for `rows` (dicts with int lists input_ids and loss_mask; `source` names them in
+    errors) into `out_dir`, resuming from finished shards. Returns out_dir; see the module docstring."""
+    cfg, out_dir = cfg or CaptureConfig(), Path(out_dir)
+    expected = Manifest(kind="features", target_id=target.target_id, target_revision=target.revision,
+                        tokenizer_hash=tokenizer_hash(tokenizer), chat_template_hash=chat_template_hash(tokenizer),
+                        layer_ids=list(target.feature_layers), dtype=cfg.dtype, max_length=cfg.max_length,
+                        hidden_size=target.hidden_size)
+    plan = plan_capture(rows, cfg, target.vocab_size, source)
+    if not plan.indices:
+        raise BadInputError(source, None, None, "no valid rows to capture")
+    if (out_dir / MANIFEST_NAME).is_file():
+        return _already_complete(out_dir, expected, plan)
+    check_size(plan, target, cfg)
+    identity = {name: getattr(expected, name) for name in (*IDENTITY_FIELDS, "hidden_size")}
+    shards: list[ShardInfo] = []
+    with tqdm(total=plan.num_tokens, desc="capture", unit="tok", unit_scale=True) as bar:
+        for s in range(0, len(plan.indices), cfg.shard_rows):
+            path = out_dir / f"features-{s // cfg.shard_rows:05d}.safetensors"
+            shard = _load_rows(rows, plan.indices[s:s + cfg.shard_rows], cfg.max_length)
+            fingerprint = _fingerprint({**identity, "shard": path.name}, shard)
+            if path.is_file():
+                _check_resumed_shard(path, fingerprint, out_dir)
+                bar.update(sum(len(ids) for ids, _ in shard.values()))
+            else:
+                tensors = _capture_shard(target, shard, cfg, bar)
+                with atomic_path(path) as tmp:
+                    save_file(tensors, str(tmp), metadata={"fingerprint": fingerprint})
+            shards.append(ShardInfo(file=path.name, rows=len(shard), sha256=sha256_file(path)))
+    expected.shards, expected.num_samples, expected.num_tokens = shards, len(plan.indices), plan.num_tokens
+    expected.code_git_sha = code_git_sha()
+    expected.extra = {"source": source, "row_layout": "packed", "tensors": list(_TENSORS)}
+    write_manifest(out_dir, expected)
+    return out_dir
+
+
+
+def _check_resumed_shard(path: Path, fingerprint: str, out_dir: Path) -> None:
+    if _shard_fingerprint(path) != fingerprint:
+        raise BadInputError(str(path), None, "fingerprint", f"this shard was captured from other rows or "
+                                                            f"settings; delete {out_dir} or use another out_dir")
+
+
+def _already_complete(out_dir: Path, expected: Manifest, plan: CapturePlan) -> Path:
+    """A finished capture: refuse one made differently, otherwise nothing to do."""
+    found = read_manifest(out_dir)
+    wanted = {**{name: getattr(expected, name) for name in IDENTITY_FIELDS},
+              "num_samples": len(plan.indices), "num_tokens": plan.num_tokens}
+    check(found, wanted, where=str(out_dir / MANIFEST_NAME))
+    print(f"capture: {out_dir} is already complete ({found.num_samples} rows)")
+    return out_dir
+
+
+def load_feature_rows(path: str | Path) -> list[dict[str, torch.Tensor]]:
+    """Unpacks one shard into per-row dicts: features [T,L*H], last_hidden [T,H], input_ids [T] int64,
+    loss_mask [T] bool, row_index (int). For tests and small inspections; training reads lazily."""
+    with safe_open(str(path), framework="pt") as f:
+        t = {name: f.get_tensor(name) for name in _TENSORS}
+    rows = []
+    for r, (a, b) in enumerate(zip(t["offsets"][:-1].tolist(), t["offsets"][1:].tolist())):
+        rows.append({"features": t["features"][a:b], "last_hidden": t["last_hidden"][a:b],
+                     "input_ids": t["input_ids"][a:b].long(), "loss_mask": t["loss_mask"][a:b].bool(),
+                     "row_index": int(t["row_index"][r])})
+    return rows

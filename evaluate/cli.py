@@ -1,0 +1,24 @@
+"""`specblock <command> ...`: one entry point for the project's jobs."""
+
+from __future__ import annotations
+
+import sys
+
+COMMANDS = {
+    "bench-verify": ("specblock.evaluate.bench_verify", "time every verifier (Markdown table)"),
+    "exact-decode": ("specblock.evaluate.exact_decode", "exact expected target calls per verifier on table models"),
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        lines = [f"  {name:14s} {doc}" for name, (_, doc) in COMMANDS.items()]
+        print("usage: specblock <command> [args]\n\ncommands:\n" + "\n".join(lines))
+        sys.exit(0 if argv and argv[0] in ("-h", "--help") else 2)
+    module = __import__(COMMANDS[argv[0]][0], fromlist=["main"])
+    module.main(argv[1:])
+
+
+if __name__ == "__main__":
+    main()
