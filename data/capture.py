@@ -20,9 +20,10 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 from safetensors import safe_open
@@ -31,8 +32,8 @@ from tqdm.auto import tqdm
 
 from .errors import BadInputError, RowPolicy
 from .io import atomic_path, sha256_file
-from .manifest import (IDENTITY_FIELDS, MANIFEST_NAME, Manifest, ShardInfo, chat_template_hash, check, code_git_sha,
-                       read_manifest, tokenizer_hash, write_manifest)
+from .manifest import (IDENTITY_FIELDS, MANIFEST_NAME, Manifest, ManifestMismatchError, ShardInfo,
+                       chat_template_hash, check, code_git_sha, read_manifest, tokenizer_hash, write_manifest)
 from .target import FeatureTarget
 
 FEATURE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -94,7 +95,8 @@ def bytes_per_token(num_layers: int, hidden_size: int, dtype: str) -> int:
 def _validate_row(row: Any, index: int, source: str, vocab_size: int) -> int:
     """Returns the row's length; raises BadInputError naming source, row and field if it is malformed."""
     if not isinstance(row, Mapping):
-        raise BadInputError(source, index, None, f"expected a dict with input_ids and loss_mask, got {type(row).__name__}")
+        raise BadInputError(source, index, None,
+                            f"expected a dict with input_ids and loss_mask, got {type(row).__name__}")
     for name in ("input_ids", "loss_mask"):
         value = row.get(name)
         if value is None:
@@ -109,7 +111,8 @@ def _validate_row(row: Any, index: int, source: str, vocab_size: int) -> int:
     if any(v not in (0, 1) for v in mask):
         raise BadInputError(source, index, "loss_mask", "values must be 0 or 1")
     if min(ids) < 0 or max(ids) >= vocab_size:
-        raise BadInputError(source, index, "input_ids", f"token id outside the target vocabulary [0, {vocab_size})")
+        raise BadInputError(source, index, "input_ids",
+                            f"token id outside the target vocabulary [0, {vocab_size})")
     return len(ids)
 
 
@@ -137,22 +140,26 @@ def check_size(plan: CapturePlan, target: FeatureTarget, cfg: CaptureConfig) -> 
     """Prints the projected size and returns it in bytes; refuses (CaptureTooLargeError) above cfg.max_gb."""
     per_token = bytes_per_token(len(target.feature_layers), target.hidden_size, cfg.dtype)
     total = plan.num_tokens * per_token
-    print(f"capture: {len(plan.indices)} rows, {plan.num_tokens} tokens x ({len(target.feature_layers)} layers + "
-          f"final) x {target.hidden_size} x {FEATURE_DTYPES[cfg.dtype].itemsize} B = {total / GB:.3f} GB"
-          f" ({plan.truncated} rows truncated to {cfg.max_length} tokens)")
+    itemsize, layers = FEATURE_DTYPES[cfg.dtype].itemsize, len(target.feature_layers)
+    print(f"capture: {len(plan.indices)} rows, {plan.num_tokens} tokens x ({layers} layers + final) x "
+          f"{target.hidden_size} x {itemsize} B = {total / GB:.3f} GB ({plan.truncated} rows truncated to "
+          f"{cfg.max_length} tokens)")
     if cfg.max_gb is not None and total > cfg.max_gb * GB:
         fit = sum(1 for tokens in itertools.accumulate(plan.lengths) if tokens * per_token <= cfg.max_gb * GB)
         raise CaptureTooLargeError(f"capture would write {total / GB:.3f} GB > max_gb={cfg.max_gb}; nothing "
-                                   f"written. Raise max_gb, or set max_rows={fit} to capture the rows that fit.")
+                                   f"written. Raise max_gb, or set max_rows={fit} to capture the rows "
+                                   "that fit.")
     return total
 
 
 Rows = dict[int, tuple[list[int], list[int]]]  # input index -> (input_ids, loss_mask), truncated
+ShardPlan = tuple[Path, Rows, str]  # (shard file, its rows, fingerprint of settings + rows)
 
 
 def _load_rows(rows: Sequence[Mapping], indices: list[int], max_length: int) -> Rows:
     """Reads one shard's rows once (a datasets.Dataset decodes on every access) and truncates them."""
-    return {i: (list(rows[i]["input_ids"][:max_length]), list(rows[i]["loss_mask"][:max_length])) for i in indices}
+    return {i: (list(rows[i]["input_ids"][:max_length]), list(rows[i]["loss_mask"][:max_length]))
+            for i in indices}
 
 
 def _fingerprint(identity: Mapping[str, Any], shard: Rows) -> str:
@@ -163,8 +170,9 @@ def _fingerprint(identity: Mapping[str, Any], shard: Rows) -> str:
     return h.hexdigest()
 
 
-def _capture_shard(target: FeatureTarget, shard: Rows, cfg: CaptureConfig, bar: tqdm) -> dict[str, torch.Tensor]:
-    """Runs the target over one shard's rows (length-sorted batches, less padding) and packs the real tokens."""
+def _capture_shard(target: FeatureTarget, shard: Rows, cfg: CaptureConfig,
+                   bar: tqdm) -> dict[str, torch.Tensor]:
+    """Runs the target over one shard's rows in length-sorted batches (less padding), packs real tokens."""
     dtype = FEATURE_DTYPES[cfg.dtype]
     per_row: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     order = sorted(shard, key=lambda i: len(shard[i][0]))
@@ -189,68 +197,100 @@ def _capture_shard(target: FeatureTarget, shard: Rows, cfg: CaptureConfig, bar: 
     }
 
 
-def _shard_fingerprint(path: Path) -> str | None:
-    with safe_open(str(path), framework="pt") as f:
-        return (f.metadata() or {}).get("fingerprint")
-
-
 def capture_features(target: FeatureTarget, rows: Sequence[Mapping], out_dir: str | Path,
-                     cfg: CaptureConfig | None = None, *, tokenizer: Any, source: str = "rows") -> Path:
+                     cfg: CaptureConfig | None = None, *, tokenizer: Any, source: str = "rows",
+                     tokens_manifest: Manifest | None = None) -> Path:
     """Captures features for `rows` (dicts with int lists input_ids and loss_mask; `source` names them in
-    errors) into `out_dir`, resuming from finished shards. Returns out_dir; see the module docstring."""
+    errors) into `out_dir`, resuming from finished shards; returns out_dir (see the module docstring).
+    With `tokens_manifest` (the rows' own manifest), rows from another tokenizer or template are refused."""
     cfg, out_dir = cfg or CaptureConfig(), Path(out_dir)
     expected = Manifest(kind="features", target_id=target.target_id, target_revision=target.revision,
-                        tokenizer_hash=tokenizer_hash(tokenizer), chat_template_hash=chat_template_hash(tokenizer),
+                        tokenizer_hash=tokenizer_hash(tokenizer),
+                        chat_template_hash=chat_template_hash(tokenizer),
                         layer_ids=list(target.feature_layers), dtype=cfg.dtype, max_length=cfg.max_length,
                         hidden_size=target.hidden_size)
+    if tokens_manifest is not None:
+        check(tokens_manifest, {"kind": "tokens", "tokenizer_hash": expected.tokenizer_hash,
+                                "chat_template_hash": expected.chat_template_hash},
+              where=f"{source} manifest")
+        expected.extra["tokens_manifest"] = {"created": tokens_manifest.created,
+                                             "num_samples": tokens_manifest.num_samples}
     plan = plan_capture(rows, cfg, target.vocab_size, source)
     if not plan.indices:
         raise BadInputError(source, None, None, "no valid rows to capture")
-    if (out_dir / MANIFEST_NAME).is_file():
-        return _already_complete(out_dir, expected, plan)
-    check_size(plan, target, cfg)
     identity = {name: getattr(expected, name) for name in (*IDENTITY_FIELDS, "hidden_size")}
+    if (out_dir / MANIFEST_NAME).is_file():
+        return _already_complete(out_dir, expected, rows, plan, cfg, identity)
+    check_size(plan, target, cfg)
+    shard_plan = _shard_plan(rows, plan, cfg, out_dir, identity)
+    expected.shards = _write_shards(target, shard_plan, cfg, plan.num_tokens)
+    expected.num_samples, expected.num_tokens = len(plan.indices), plan.num_tokens
+    expected.code_git_sha = code_git_sha()
+    expected.extra.update(source=source, row_layout="packed", tensors=list(_TENSORS))
+    write_manifest(out_dir, expected)
+    return out_dir
+
+
+def _shard_name(index: int) -> str:
+    return f"features-{index:05d}.safetensors"
+
+
+def _shard_plan(rows: Sequence[Mapping], plan: CapturePlan, cfg: CaptureConfig, out_dir: Path,
+                identity: dict[str, Any]) -> Iterator[ShardPlan]:
+    """Yields (shard path, its rows, its fingerprint) in order; shard s holds valid rows s*shard_rows...."""
+    for s in range(0, len(plan.indices), cfg.shard_rows):
+        path = out_dir / _shard_name(s // cfg.shard_rows)
+        shard = _load_rows(rows, plan.indices[s:s + cfg.shard_rows], cfg.max_length)
+        yield path, shard, _fingerprint({**identity, "shard": path.name}, shard)
+
+
+def _write_shards(target: FeatureTarget, shard_plan: Iterator[ShardPlan], cfg: CaptureConfig,
+                  num_tokens: int) -> list[ShardInfo]:
+    """Writes each shard, or keeps one already there from the same inputs; returns them with their sha256."""
     shards: list[ShardInfo] = []
-    with tqdm(total=plan.num_tokens, desc="capture", unit="tok", unit_scale=True) as bar:
-        for s in range(0, len(plan.indices), cfg.shard_rows):
-            path = out_dir / f"features-{s // cfg.shard_rows:05d}.safetensors"
-            shard = _load_rows(rows, plan.indices[s:s + cfg.shard_rows], cfg.max_length)
-            fingerprint = _fingerprint({**identity, "shard": path.name}, shard)
+    with tqdm(total=num_tokens, desc="capture", unit="tok", unit_scale=True) as bar:
+        for path, shard, fingerprint in shard_plan:
             if path.is_file():
-                _check_resumed_shard(path, fingerprint, out_dir)
+                _check_fingerprint(path, fingerprint)
                 bar.update(sum(len(ids) for ids, _ in shard.values()))
             else:
                 tensors = _capture_shard(target, shard, cfg, bar)
                 with atomic_path(path) as tmp:
                     save_file(tensors, str(tmp), metadata={"fingerprint": fingerprint})
             shards.append(ShardInfo(file=path.name, rows=len(shard), sha256=sha256_file(path)))
-    expected.shards, expected.num_samples, expected.num_tokens = shards, len(plan.indices), plan.num_tokens
-    expected.code_git_sha = code_git_sha()
-    expected.extra = {"source": source, "row_layout": "packed", "tensors": list(_TENSORS)}
-    write_manifest(out_dir, expected)
-    return out_dir
+    return shards
 
 
+def _check_fingerprint(path: Path, fingerprint: str) -> None:
+    with safe_open(str(path), framework="pt") as f:
+        found = (f.metadata() or {}).get("fingerprint")
+    if found != fingerprint:
+        raise BadInputError(str(path), None, "fingerprint", "this shard was captured from other rows or "
+                            f"settings; delete {path.parent} or use another out_dir")
 
-def _check_resumed_shard(path: Path, fingerprint: str, out_dir: Path) -> None:
-    if _shard_fingerprint(path) != fingerprint:
-        raise BadInputError(str(path), None, "fingerprint", f"this shard was captured from other rows or "
-                                                            f"settings; delete {out_dir} or use another out_dir")
 
-
-def _already_complete(out_dir: Path, expected: Manifest, plan: CapturePlan) -> Path:
-    """A finished capture: refuse one made differently, otherwise nothing to do."""
-    found = read_manifest(out_dir)
-    wanted = {**{name: getattr(expected, name) for name in IDENTITY_FIELDS},
-              "num_samples": len(plan.indices), "num_tokens": plan.num_tokens}
-    check(found, wanted, where=str(out_dir / MANIFEST_NAME))
+def _already_complete(out_dir: Path, expected: Manifest, rows: Sequence[Mapping], plan: CapturePlan,
+                      cfg: CaptureConfig, identity: dict[str, Any]) -> Path:
+    """A finished capture: refuse one made differently (settings and counts via the manifest, rows via the
+    shard fingerprints, without re-hashing whole files); otherwise there is nothing to do."""
+    found, where = read_manifest(out_dir), str(out_dir / MANIFEST_NAME)
+    wanted = {name: getattr(expected, name) for name in IDENTITY_FIELDS}
+    check(found, {**wanted, "num_samples": len(plan.indices), "num_tokens": plan.num_tokens}, where=where)
+    planned = [_shard_name(s) for s in range(math.ceil(len(plan.indices) / cfg.shard_rows))]
+    if [shard.file for shard in found.shards] != planned:
+        raise ManifestMismatchError(f"{where} lists {len(found.shards)} shards, this run expects "
+                                    f"{len(planned)} (another shard_rows?); delete {out_dir} or use "
+                                    "another out_dir")
+    for path, _, fingerprint in _shard_plan(rows, plan, cfg, out_dir, identity):
+        _check_fingerprint(path, fingerprint)
     print(f"capture: {out_dir} is already complete ({found.num_samples} rows)")
     return out_dir
 
 
 def load_feature_rows(path: str | Path) -> list[dict[str, torch.Tensor]]:
     """Unpacks one shard into per-row dicts: features [T,L*H], last_hidden [T,H], input_ids [T] int64,
-    loss_mask [T] bool, row_index (int). For tests and small inspections; training reads lazily."""
+    loss_mask [T] bool, row_index (int). For tests and inspection: a training dataset should read the
+    shards lazily (safetensors safe_open + get_slice on the offsets)."""
     with safe_open(str(path), framework="pt") as f:
         t = {name: f.get_tensor(name) for name in _TENSORS}
     rows = []

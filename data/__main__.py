@@ -1,0 +1,19 @@
+"""python -m specblock.data [hydra overrides]: prepare training data (see configs/prepare.yaml)."""
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from .config import PrepareConfig, register_configs
+from .prepare import prepare
+
+register_configs()
+
+
+@hydra.main(config_path="pkg://specblock.configs", config_name="prepare", version_base=None)
+def main(cfg: DictConfig) -> None:
+    config: PrepareConfig = OmegaConf.to_object(cfg)
+    prepare(config)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""The data stage's typed config (Hydra ConfigStore schema; YAML under configs/ only overrides it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hydra.core.config_store import ConfigStore
+
+from .capture import CaptureConfig
+from .corpora import CorpusConfig
+from .regenerate import RegenerateConfig
+from .target import TargetConfig
+
+
+@dataclass
+class FeaturesConfig(CaptureConfig):
+    """Offline target features: off by default (training computes them online, in the step)."""
+
+    enabled: bool = False
+
+
+@dataclass
+class PrepareConfig:
+    """`python -m specblock.data`: corpus -> (regenerated) conversations -> token shards (+ features)."""
+
+    run_name: str = "sharegpt-regen"
+    out_dir: str = "checkpoints/data/sharegpt-regen"  # regenerated.jsonl, tokens/, features/
+    max_length: int = 1024  # tokens per training row (template included); longer rows are cut
+    shard_rows: int = 1000
+    overwrite: bool = False  # rebuild token shards whose manifest does not match this config
+    target: TargetConfig = field(default_factory=TargetConfig)
+    # on_bad_row=skip: the packaged ShareGPT file ends in a cut row and holds empty conversations
+    corpus: CorpusConfig = field(default_factory=lambda: CorpusConfig(limit=32, on_bad_row="skip"))
+    regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
+    features: FeaturesConfig = field(default_factory=FeaturesConfig)
+
+    def __post_init__(self):
+        if self.max_length < 8 or self.shard_rows < 1:
+            raise ValueError(f"prepare needs max_length >= 8 and shard_rows >= 1, got {self.max_length}, {self.shard_rows}")
+
+
+def register_configs() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="base_prepare", node=PrepareConfig)

@@ -1,0 +1,150 @@
+"""Regenerate the assistant answers of a corpus with the target itself (what EAGLE-3, SpecForge and
+SpecBlock train on): the drafter then learns the target's own distribution, not the corpus author's.
+
+Resumable: finished conversations are appended to a jsonl file batch by batch (flushed and fsynced). A
+killed run leaves at most one partial last line, which the next run drops before it continues with the
+conversations not yet in the file, so no row is duplicated or lost. Sampling is seeded per batch (by the
+index of its first conversation), so a run resumed after a kill between batches produces exactly what
+an uninterrupted one would have; greedy regeneration does in any case.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+Turn = dict[str, str]
+Conversation = tuple[str, list[Turn]]  # (row id, turns)
+
+
+@dataclass
+class RegenerateConfig:
+    enabled: bool = True
+    turns: int = 1  # leading user turns kept; each gets a regenerated answer (later turns are dropped)
+    max_new_tokens: int = 256
+    max_prompt_tokens: int = 512  # longer first prompts are dropped; later rounds are left-truncated
+    batch_size: int = 8
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.turns < 1 or self.max_new_tokens < 1 or self.batch_size < 1:
+            raise ValueError(f"regenerate needs turns, max_new_tokens and batch_size >= 1, got {self}")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise ValueError(f"regenerate needs temperature >= 0 and 0 < top_p <= 1, got {self}")
+
+
+def user_rounds(turns: list[Turn], keep: int) -> tuple[list[Turn], list[Turn]]:
+    """Split into the leading system turns and the first `keep` user turns (assistant turns dropped)."""
+    system = [t for t in turns[:1] if t["role"] == "system"]
+    users = [t for t in turns if t["role"] == "user"][:keep]
+    return system, users
+
+
+def fitting_prompts(tokenizer, conversations: list[Conversation], cfg: RegenerateConfig, policy) -> list[Conversation]:
+    """Conversations whose first prompt (system + first user turn, templated) has at most
+    cfg.max_prompt_tokens tokens; the others are counted in `policy` (a RowPolicy) and dropped: cutting a
+    chat prompt would cut its template header or its question."""
+    kept = []
+    for cid, turns in conversations:
+        system, users = user_rounds(turns, 1)
+        if not users:
+            policy.skipped["no user turn"] += 1
+            continue
+        text = tokenizer.apply_chat_template(system + users, add_generation_prompt=True, tokenize=False)
+        if len(tokenizer(text, add_special_tokens=False)["input_ids"]) > cfg.max_prompt_tokens:
+            policy.skipped[f"prompt longer than max_prompt_tokens={cfg.max_prompt_tokens}"] += 1
+            continue
+        kept.append((cid, turns))
+    return kept
+
+
+def read_done(path: Path) -> dict[str, list[Turn]]:
+    """Finished conversations in `path`; a partial last line (a killed write) is cut off the file."""
+    if not path.exists():
+        return {}
+    done, good_bytes = {}, 0
+    with open(path, "rb") as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                break  # only the last line can be partial: everything before it was fsynced
+            if not line.endswith(b"\n"):
+                break
+            done[row["id"]] = row["turns"]
+            good_bytes += len(line)
+    if good_bytes != path.stat().st_size:
+        with open(path, "r+b") as f:
+            f.truncate(good_bytes)
+    return done
+
+
+@torch.inference_mode()
+def generate_batch(model, tokenizer, prompts: list[list[Turn]], cfg: RegenerateConfig, seed: int) -> list[str]:
+    """One batched generate call: chat-template prompts, left padding, greedy or sampled answers."""
+    texts = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in prompts]
+    tokenizer.padding_side, tokenizer.truncation_side = "left", "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    enc = tokenizer(texts, return_tensors="pt", padding=True, truncation=True,
+                    max_length=cfg.max_prompt_tokens, add_special_tokens=False).to(model.device)  # fmt: skip
+    torch.manual_seed(seed)
+    sample = cfg.temperature > 0
+    out = model.generate(
+        **enc,
+        max_new_tokens=cfg.max_new_tokens,
+        do_sample=sample,
+        temperature=cfg.temperature if sample else None,
+        top_p=cfg.top_p if sample else None,
+        top_k=None,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    new = out[:, enc["input_ids"].shape[1] :]
+    return [tokenizer.decode(row, skip_special_tokens=True).strip() for row in new]
+
+
+def regenerate(model, tokenizer, conversations: list[Conversation], out_path: str | Path, cfg: RegenerateConfig) -> list[Conversation]:
+    """Answers of `conversations` rewritten by `model`; returns them in input order.
+
+    out_path: the resumable jsonl ({"id", "turns"} per line). Conversations are processed in batches of
+    cfg.batch_size; each batch runs its user rounds one after another (round r sees the answers of
+    rounds < r) and is appended to out_path once finished.
+    """
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    done = read_done(out_path)
+    todo = [(i, c) for i, c in enumerate(conversations) if c[0] not in done]
+    bar = tqdm(total=len(conversations), initial=len(conversations) - len(todo), desc="regenerate", unit="conv")
+    with open(out_path, "a", encoding="utf-8") as sink:
+        for start in range(0, len(todo), cfg.batch_size):
+            batch = todo[start : start + cfg.batch_size]
+            finished = regenerate_batch(model, tokenizer, [c for _, c in batch], cfg, seed=cfg.seed + batch[0][0])
+            lines = [json.dumps({"id": cid, "turns": turns}, ensure_ascii=False) + "\n" for cid, turns in finished]
+            sink.write("".join(lines))  # one write per batch: a kill rarely splits a batch
+            done.update(finished)
+            sink.flush()
+            os.fsync(sink.fileno())
+            bar.update(len(batch))
+    bar.close()
+    return [(cid, done[cid]) for cid, _ in conversations]
+
+
+def regenerate_batch(model, tokenizer, batch: list[Conversation], cfg: RegenerateConfig, seed: int) -> list[Conversation]:
+    """Regenerate every kept user round of a batch of conversations, round by round."""
+    split = [user_rounds(turns, cfg.turns) for _, turns in batch]
+    convs: list[list[Turn]] = [list(system) for system, _ in split]
+    for r in range(max(len(users) for _, users in split)):
+        active = [i for i, (_, users) in enumerate(split) if r < len(users)]
+        for i in active:
+            convs[i].append(split[i][1][r])
+        answers = generate_batch(model, tokenizer, [convs[i] for i in active], cfg, seed=seed * 1000 + r)
+        for i, answer in zip(active, answers):
+            convs[i].append({"role": "assistant", "content": answer})
+    return [(cid, turns) for (cid, _), turns in zip(batch, convs)]

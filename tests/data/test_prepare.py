@@ -1,0 +1,73 @@
+"""The data stage end to end on a tiny random target saved to disk: corpus -> regenerated answers ->
+token shards + manifest -> offline features; re-running skips, a changed recipe is refused."""
+
+import json
+
+import pytest
+from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf
+
+from specblock.data import prepare as prep
+from specblock.data.config import FeaturesConfig, PrepareConfig, register_configs
+from specblock.data.corpora import CorpusConfig
+from specblock.data.manifest import ManifestMismatchError, read_manifest
+from specblock.data.regenerate import RegenerateConfig
+from specblock.data.shards import TokenDataset
+from specblock.data.target import TargetConfig
+
+
+@pytest.fixture()
+def setup(tiny_chat, tmp_path):
+    model, tok = tiny_chat
+    model.save_pretrained(tmp_path / "target")
+    tok.save_pretrained(tmp_path / "target")
+    rows = [{"id": f"r{i}", "conversations": [{"from": "human", "value": "what is the cat " * (1 + i)},
+                                               {"from": "gpt", "value": "the cat sat"}]} for i in range(5)]  # fmt: skip
+    rows.append({"id": "bad", "conversations": [{"from": "human", "value": 3}]})
+    (tmp_path / "corpus.json").write_text(json.dumps(rows))
+
+    def config(**kw):
+        base = dict(
+            out_dir=str(tmp_path / "out"),
+            max_length=64,
+            target=TargetConfig(name_or_path=str(tmp_path / "target"), dtype="float32"),
+            corpus=CorpusConfig(source=str(tmp_path / "corpus.json"), on_bad_row="skip"),
+            regenerate=RegenerateConfig(max_new_tokens=4, batch_size=2, max_prompt_tokens=20),
+            features=FeaturesConfig(enabled=True, max_length=64, shard_rows=2, dtype="float16"),
+        )
+        return PrepareConfig(**{**base, **kw})
+
+    return config
+
+
+def test_prepare_end_to_end_then_skip_then_refuse(setup, monkeypatch, capsys):
+    result = prep.prepare(setup())
+    out = capsys.readouterr().out
+    assert "skipped 3 bad rows" in out and "prompt longer than max_prompt_tokens=20" in out
+    data = TokenDataset(result.tokens_dir)
+    assert len(data) == result.num_rows == 3
+    for row in data:
+        assert row["input_ids"].shape == row["loss_mask"].shape and 0 < int(row["loss_mask"].sum()) < len(row["loss_mask"])
+    manifest = read_manifest(result.tokens_dir)
+    assert manifest.extra["regenerate"]["enabled"] and manifest.max_length == 64
+    assert read_manifest(result.features_dir).kind == "features"
+    assert (result.tokens_dir.parent / "regenerated.jsonl").is_file()
+
+    monkeypatch.setattr(prep, "regenerate", lambda *a, **k: pytest.fail("an up-to-date stage ran again"))
+    again = prep.prepare(setup())
+    assert again.num_rows == 3 and "up to date" in capsys.readouterr().out
+
+    with pytest.raises(ManifestMismatchError, match="max_length: expected 48 vs found 64"):
+        prep.prepare(setup(max_length=48, features=FeaturesConfig()))
+
+
+def test_the_prepare_config_composes_and_validates():
+    register_configs()
+    with initialize_config_module("specblock.configs", version_base=None):
+        cfg = compose("prepare", overrides=["corpus.limit=8", "data=sharegpt_raw"])
+    config = OmegaConf.to_object(cfg)
+    assert isinstance(config, PrepareConfig) and config.corpus.limit == 8 and not config.regenerate.enabled
+    assert config.out_dir == "checkpoints/data/sharegpt-raw"
+    with initialize_config_module("specblock.configs", version_base=None):
+        with pytest.raises(Exception, match="max_length"):
+            OmegaConf.to_object(compose("prepare", overrides=["max_length=2"]))
