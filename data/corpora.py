@@ -22,7 +22,6 @@ Whole-file problems (empty file, not json rows, unknown schema) always raise.
 from __future__ import annotations
 
 import json
-import random
 import re
 from dataclasses import dataclass
 from functools import partial
@@ -33,6 +32,7 @@ from typing import Any, Callable, Iterator, Optional, Union
 from tqdm import tqdm
 
 from .errors import ON_BAD_ROW, BadInputError, RowPolicy
+from .io import subsample
 
 Turn = dict[str, str]
 Conversation = tuple[str, list[Turn]]  # (row id, turns)
@@ -320,15 +320,6 @@ def _clean(turns: list[Turn], field_name: str) -> list[Turn]:
     if not any(turn["role"] == "assistant" for turn in kept):
         raise _BadField(field_name, "no assistant turn")
     return kept
-
-
-def subsample(items: list, limit: int | None, seed: int) -> list:
-    """`limit` items drawn without replacement by `seed`, kept in their original order (all if limit is None
-    or not below len(items))."""
-    if limit is None or limit >= len(items):
-        return list(items)
-    keep = sorted(random.Random(seed).sample(range(len(items)), limit))
-    return [items[i] for i in keep]
 
 
 # Row -> turns, per format (raises _BadField); a new format registers here and in FORMAT_KEYS.

@@ -17,7 +17,6 @@ from __future__ import annotations
 import importlib.resources
 import importlib.util
 import json
-import random
 import re
 import zlib
 from dataclasses import dataclass, field
@@ -27,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 from tqdm import tqdm
 
 from .errors import ON_BAD_ROW, BadInputError, RowPolicy
-from .io import sha256_file
+from .io import sha256_file, subsample
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -358,16 +357,6 @@ def _build_all(
         except BadInputError as err:
             policy.bad(err)
     return prompts
-
-
-def subsample(items: list, limit: int | None, seed: int) -> list:
-    """`limit` items chosen by `seed` alone, kept in their original order. A private Random makes the choice
-    independent of the global random state and of earlier calls; equal-length lists (the MGSM languages,
-    one translation of the same 250 questions each) get the same positions."""
-    if limit is None or limit >= len(items):
-        return list(items)
-    keep = sorted(random.Random(seed).sample(range(len(items)), limit))
-    return [items[i] for i in keep]
 
 
 def load_eval_set(cfg: EvalSetConfig, chat: bool = True) -> EvalSet:

@@ -6,6 +6,7 @@ import contextlib
 import hashlib
 import json
 import os
+import random
 import shutil
 import tempfile
 from pathlib import Path
@@ -39,3 +40,14 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def subsample(items: list, limit: int | None, seed: int) -> list:
+    """`limit` items chosen by `seed` alone, kept in their original order (all if limit is None or not below
+    len(items)). A private Random makes the choice independent of the global random state and of earlier
+    calls; equal-length lists (e.g. the MGSM languages, translations of the same questions) get the same
+    positions."""
+    if limit is None or limit >= len(items):
+        return list(items)
+    keep = sorted(random.Random(seed).sample(range(len(items)), limit))
+    return [items[i] for i in keep]

@@ -91,11 +91,13 @@ def prepare(cfg: PrepareConfig) -> PrepareResult:
     else:
         policy = RowPolicy(cfg.corpus.on_bad_row)
         conversations = load_conversations(cfg.corpus, policy)
+        drawn = len(conversations)
         if cfg.regenerate.enabled:
             conversations = fitting_prompts(tokenizer, conversations, cfg.regenerate, policy)
             conversations = regenerate(model, tokenizer, conversations, out / "regenerated.jsonl", cfg.regenerate)
         rows = tokenize(conversations, tokenizer, cfg.max_length, policy)
-        print(f"corpus: {len(rows)} rows kept; {policy.summary()}")
+        print(f"corpus: {drawn} conversations drawn (limit {cfg.corpus.limit}), {len(rows)} rows kept; "
+              f"bad rows in the source and after filtering: {policy.summary()}")
         manifest = write_token_shards(rows, tokens_dir, expected, cfg.shard_rows)
     result = PrepareResult(tokens_dir, manifest.num_samples, manifest.num_tokens)
     if cfg.features.enabled:

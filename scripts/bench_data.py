@@ -34,7 +34,8 @@ def main() -> None:
     model, tok = load_target(TargetConfig(name_or_path=args.target, dtype=args.dtype))
     load_s = time.perf_counter() - t0
     cfg = RegenerateConfig(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, max_prompt_tokens=256)
-    convs = fitting_prompts(tok, load_conversations(CorpusConfig(limit=4 * args.prompts, seed=1)), cfg, RowPolicy("skip"))
+    corpus = CorpusConfig(limit=4 * args.prompts, seed=1, on_bad_row="skip")
+    convs = fitting_prompts(tok, load_conversations(corpus, RowPolicy("skip")), cfg, RowPolicy("skip"))
     prompts = [sum(user_rounds(turns, 1), []) for _, turns in convs[: args.prompts]]
 
     generated, t0 = 0, time.perf_counter()

@@ -59,12 +59,6 @@ def row_law(rows: Rows, y: Prefix, row: RowLaw) -> torch.Tensor:
     return rows.residual(y, row.lam)
 
 
-def residual_lam(rows: Rows, y: Prefix, row: RowLaw, t: float, pj: float) -> float:
-    """lam' with (T(y) T(.|y) - P(y) p(.|y))_+ proportional to (q - lam' p)_+, for a (q - lam p) row:
-    T(y) T(.|y) = c (q - lam p)_+ with c = T(y) / S(lam), hence lam' = lam + P(y) / c."""
-    return row.lam + pj * rows.mass(y, row.lam) / t
-
-
 @dataclass(frozen=True)
 class Stage:
     """One verified draft: its L tokens and how many of them it accepted (tau_k)."""
@@ -73,59 +67,73 @@ class Stage:
     accepted: int
 
 
-def replay(path: Prefix, rows: Rows, stages: list[Stage] | tuple[Stage, ...], horizon: int):
-    """The law of Y after `stages` along `path` (n tokens from the block start); VERIFIERS.md 7.3.
+class Coupling:
+    """The law T_j of the virtual target sample Y after the first j verified drafts (VERIFIERS.md 7.3),
+    row by row: law(j, y) = T_j(.|y) and joint(j, y) = T_j(y), for prefixes y from the block start.
 
-    Returns (laws, t_joint, p_joint): laws[i] = T(.|path[:i]) as RowLaw and t_joint[i] = T(path[:i]) for
-    the live rows (T-probability > 0; at most n + 1), p_joint[i] = P(path[:i]) for i <= min(n, horizon).
+    A row depends on its prefix only, so both are memoised per (j, y): drafts that share a prefix (row 0
+    is shared by all) share its work, and rows are computed only when a weight asks for them.
     """
-    n = len(path)
-    p_joint = [1.0]
-    for i in range(min(n, horizon)):
-        p_joint.append(p_joint[-1] * rows.p(path[:i], path[i]))
-    laws = [RowLaw()] * (n + 1)
-    t_joint = joints(path, rows, laws)
-    for stage in stages:
-        updated = []
-        for i, t in enumerate(t_joint):
-            row = laws[i]
-            if i < stage.accepted:  # committed prefix: Y follows the accepted draft tokens
-                row = RowLaw(token=stage.tokens[i])
-            elif i < horizon and row.token is None and t > 0:
-                # (T(yx) - P(yx))_+ normalised; a point-mass row stays one, a zero residual (a branch of
-                # probability 0) keeps the old law.
-                lam = residual_lam(rows, path[:i], row, t, p_joint[i])
-                row = RowLaw(lam) if rows.mass(path[:i], lam) > 0 else row
-            updated.append(row)
-        laws = updated
-        t_joint = joints(path, rows, laws)
-    return laws, t_joint, p_joint
 
+    def __init__(self, rows: Rows, horizon: int, stages: tuple[Stage, ...] = ()):
+        self.rows, self.horizon, self.stages = rows, horizon, list(stages)
+        self._law: dict[tuple[int, Prefix], RowLaw] = {}
+        self._joint: dict[tuple[int, Prefix], float] = {}
+        self._draft: dict[Prefix, float] = {(): 1.0}
 
-def joints(path: Prefix, rows: Rows, laws: list[RowLaw]) -> list[float]:
-    """T(path[:i]) for the rows up to the first zero (later rows are dead)."""
-    out = [1.0]
-    for i in range(min(len(path), len(laws))):
-        t = out[-1] * laws[i].prob(rows, path[:i], path[i])
-        if t <= 0.0:
-            break
-        out.append(t)
-    return out
+    def draft_joint(self, y: Prefix) -> float:
+        """P(y), this iteration's draft law."""
+        if y not in self._draft:
+            self._draft[y] = self.draft_joint(y[:-1]) * self.rows.p(y[:-1], y[-1])
+        return self._draft[y]
 
+    def joint(self, j: int, y: Prefix) -> float:
+        if not y:
+            return 1.0
+        key = (j, y)
+        if key not in self._joint:
+            self._joint[key] = self.joint(j, y[:-1]) * self.law(j, y[:-1]).prob(self.rows, y[:-1], y[-1])
+        return self._joint[key]
 
-def gbv_weight(i: int, path: Prefix, rows: Rows, laws: list[RowLaw], t_joint: list[float], p_joint: list[float]) -> float:
-    """GBV acceptance weight h_i (1 <= i <= L) of draft `path` (length L) against the law T of `laws`."""
-    if i >= len(t_joint):  # T(X^i) = 0: the sub-block was rejected by an earlier draft (the set H)
-        return 0.0
-    q_i, p_i = t_joint[i], p_joint[i]
-    if q_i >= p_i or i == len(path):
-        return min(1.0, q_i / p_i) if p_i > 0 else 1.0
-    row, y = laws[i], path[:i]
-    if row.token is not None:  # A_i = sum_x (Q_i onehot - P_i p)_+
-        a = max(q_i - p_i * rows.p(y, row.token), 0.0)
-    else:  # A_i = c S(lam + P_i / c), c = Q_i / S(lam)
-        a = q_i / rows.mass(y, row.lam) * rows.mass(y, residual_lam(rows, y, row, q_i, p_i))
-    return a / (a + p_i - q_i)
+    def law(self, j: int, y: Prefix) -> RowLaw:
+        if j == 0:
+            return RowLaw()
+        key = (j, y)
+        if key not in self._law:
+            self._law[key] = self._after_stage(self.stages[j - 1], j, y)
+        return self._law[key]
+
+    def _after_stage(self, stage: Stage, j: int, y: Prefix) -> RowLaw:
+        prev, t = self.law(j - 1, y), self.joint(j - 1, y)
+        if t <= 0.0:  # y lost all probability: a dead row, never read
+            return prev
+        if len(y) < stage.accepted:  # the committed prefix: Y follows the accepted draft tokens
+            return RowLaw(token=stage.tokens[len(y)])
+        if len(y) >= self.horizon or prev.token is not None:  # the plain target; a point mass stays one
+            return prev
+        # (T(yx) - P(yx))_+ normalised; a zero residual (a branch of probability 0) keeps the old law
+        lam = self.residual_lam(y, prev, t, self.draft_joint(y))
+        return RowLaw(lam) if self.rows.mass(y, lam) > 0 else prev
+
+    def residual_lam(self, y: Prefix, row: RowLaw, t: float, pj: float) -> float:
+        """lam' with (T(y) T(.|y) - P(y) p(.|y))_+ proportional to (q - lam' p)_+, for a (q - lam p) row:
+        T(y) T(.|y) = c (q - lam p)_+ with c = T(y) / S(lam), hence lam' = lam + P(y) / c."""
+        return row.lam + pj * self.rows.mass(y, row.lam) / t
+
+    def gbv_weight(self, path: Prefix, i: int) -> float:
+        """GBV acceptance weight h_i (1 <= i <= L) of the draft `path` against T_j, j = len(self.stages)."""
+        j, y = len(self.stages), path[:i]
+        q_i, p_i = self.joint(j, y), self.draft_joint(y)
+        if q_i <= 0.0:  # the sub-block was rejected by an earlier draft (the set H)
+            return 0.0
+        if q_i >= p_i or i == len(path):
+            return min(1.0, q_i / p_i) if p_i > 0 else 1.0
+        row = self.law(j, y)
+        if row.token is not None:  # A_i = sum_x (Q_i onehot - P_i p)_+
+            a = max(q_i - p_i * self.rows.p(y, row.token), 0.0)
+        else:  # A_i = c S(lam + P_i / c), c = Q_i / S(lam)
+            a = q_i / self.rows.mass(y, row.lam) * self.rows.mass(y, self.residual_lam(y, row, q_i, p_i))
+        return a / (a + p_i - q_i)
 
 
 @dataclass(frozen=True)
@@ -143,11 +151,11 @@ class RGBVContinuation:
         prefix = tuple(prefix)
         if len(prefix) >= self.horizon:
             return target_probs_at(prefix)
-        rows = Rows(target_probs_at, draft_probs_at)
-        laws, _, _ = replay(prefix, rows, self.stages, self.horizon)
-        if len(laws) <= len(prefix):  # the prefix has probability 0 under T: any law will do
+        coupling = Coupling(Rows(target_probs_at, draft_probs_at), self.horizon, self.stages)
+        j = len(self.stages)
+        if coupling.joint(j, prefix) <= 0.0:  # the prefix has probability 0 under T: any law will do
             return target_probs_at(prefix)
-        law = row_law(rows, prefix, laws[len(prefix)])
+        law = row_law(coupling.rows, prefix, coupling.law(j, prefix))
         return law / law.sum()
 
 
@@ -155,24 +163,22 @@ def recursive_gbv(target_probs, draft_probs, draft_tokens, s: Sampler) -> Verify
     """RGBV over the K drafts (shapes as in base.py's calling convention)."""
     tokens = draft_tokens.tolist()
     n = len(tokens[0])
-    rows = draft_rows(target_probs, draft_probs, tokens)
-    stages: list[Stage] = []
+    coupling = Coupling(draft_rows(target_probs, draft_probs, tokens), n)
     best_k, best_tau = 0, 0
     for k, x in enumerate(tokens):
         path = tuple(x)
-        laws, t_joint, p_joint = replay(path, rows, stages, n)
-        tau = backward_scan(s, lambda i: gbv_weight(i, path, rows, laws, t_joint, p_joint), n)
-        stages.append(Stage(path, tau))
+        tau = backward_scan(s, lambda i: coupling.gbv_weight(path, i), n)
+        coupling.stages.append(Stage(path, tau))
         if tau > best_tau:
             best_k, best_tau = k, tau
         if best_tau == n:  # a whole block is accepted: later drafts cannot change anything
             break
-    cont = RGBVContinuation(tuple(stages), n)
+    cont = RGBVContinuation(tuple(coupling.stages), n)
     if best_tau == n:
         return VerifyOutput(n, best_k, s.categorical(target_probs[best_k, n].to(ACC_DTYPE)), cont)
     best = tuple(tokens[best_k][:best_tau])
-    laws, _, _ = replay(best, rows, stages, n)
-    return VerifyOutput(best_tau, best_k, s.categorical(row_law(rows, best, laws[best_tau])), cont)
+    law = row_law(coupling.rows, best, coupling.law(len(coupling.stages), best))
+    return VerifyOutput(best_tau, best_k, s.categorical(law), cont)
 
 
 @register_verifier("greedy_block", single_draft=True, cross_iteration=True)

@@ -4,7 +4,8 @@ from pathlib import Path
 import pytest
 
 from specblock.data import corpora
-from specblock.data.corpora import CorpusConfig, default_sharegpt_path, load_conversations, subsample
+from specblock.data.corpora import CorpusConfig, default_sharegpt_path, load_conversations
+from specblock.data.io import subsample
 from specblock.data.errors import BadInputError, RowPolicy
 
 FIXTURES = Path(__file__).parent / "fixtures" / "corpora"
