@@ -3,7 +3,7 @@
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from .config import PrepareConfig, register_configs
+from .config import PrepareAppConfig, register_configs
 from .prepare import prepare
 
 register_configs()
@@ -11,8 +11,8 @@ register_configs()
 
 @hydra.main(config_path="pkg://specblock.configs", config_name="prepare", version_base=None)
 def main(cfg: DictConfig) -> None:
-    config: PrepareConfig = OmegaConf.to_object(cfg)
-    prepare(config)
+    config: PrepareAppConfig = OmegaConf.to_object(cfg)
+    prepare(config.data)
 
 
 if __name__ == "__main__":

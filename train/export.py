@@ -1,0 +1,105 @@
+"""Export a trained drafter as a self-describing folder, and load it back (no pickles, no code).
+
+    <out>/config.json        architecture, drafter config, K, draft vocab size, feature layers, target id,
+                             revision and config (enough to rebuild the module without the target)
+    <out>/model.safetensors  the drafter's full state dict (frozen embedding included)
+    <out>/vocab_map.safetensors  d2t [Vd] (draft id -> target id) and t2d [V]
+    <out>/README.md          model card: training data, steps, measured acceptance
+
+    python -m specblock.train.export --run checkpoints/<run_name> [--step latest] [--out DIR]
+re-exports from a training checkpoint (its resolved config.yaml says how to rebuild the drafter).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, PretrainedConfig
+
+from specblock.data.io import atomic_path
+
+from .modeling import DRAFTER_CONFIGS, build_drafter
+
+EXPORT_FORMAT = "specblock-drafter/1"
+
+
+def export_drafter(module: torch.nn.Module, out_dir: str | Path, *, name: str, drafter_cfg: Any,
+                   target_config: PretrainedConfig, target_id: str, target_revision: str | None,
+                   feature_layers: list[int], card: dict[str, Any] | None = None) -> Path:  # fmt: skip
+    """Writes the drafter folder atomically (temporary name, then rename) and returns its path."""
+    out_dir = Path(out_dir)
+    state = {k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()}
+    config = {
+        "format": EXPORT_FORMAT, "architecture": name, "drafter": asdict(drafter_cfg),
+        "block_size": int(module.block_size), "draft_vocab_size": int(module.d2t.numel()),
+        "feature_layers": list(feature_layers),
+        "target": {"id": target_id, "revision": target_revision, "config": target_config.to_dict()},
+    }  # fmt: skip
+    with atomic_path(out_dir) as tmp:
+        tmp.mkdir()
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": EXPORT_FORMAT})
+        save_file({"d2t": state["d2t"], "t2d": state["t2d"].to(torch.uint8)}, str(tmp / "vocab_map.safetensors"))
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        (tmp / "README.md").write_text(model_card(config, card or {}))
+    return out_dir
+
+
+def model_card(config: dict[str, Any], card: dict[str, Any]) -> str:
+    metrics = card.get("metrics", {})
+    acc = {k: v for k, v in sorted(metrics.items()) if "top1_" in k and "/" not in k.removeprefix("train/")}
+    lines = [
+        f"# {config['architecture']} drafter for {config['target']['id']}", "",
+        f"A speculative-decoding drafter made by specblock ({EXPORT_FORMAT}): K = {config['block_size']} "
+        f"draft positions per forward, draft vocabulary {config['draft_vocab_size']}, target feature layers "
+        f"{config['feature_layers']} (hidden_states indices).", "",
+        "## Training", "",
+        f"- data: {card.get('data', 'n/a')}", f"- steps: {card.get('steps', 'n/a')}",
+        f"- run config: {card.get('run', 'n/a')}", "",
+        "## Measured (last logging window of training; teacher-forced)", "",
+        "| metric | value |", "|---|---|",
+    ]  # fmt: skip
+    accept = metrics.get("train/accept_len")
+    lines.append(f"| simulated acceptance length (draft tokens per block, greedy) | {accept:.3f} |" if accept is not None
+                 else "| simulated acceptance length | n/a |")  # fmt: skip
+    lines += [f"| {k.removeprefix('train/')} | {v:.3f} |" for k, v in acc.items()]
+    lines += ["", "Load with `specblock.train.export.load_drafter(folder)`; the target is not needed to load it.", ""]
+    return "\n".join(lines)
+
+
+def load_drafter(folder: str | Path) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """Rebuilds the exported drafter (eval mode) and returns it with its config.json."""
+    folder = Path(folder)
+    config = json.loads((folder / "config.json").read_text())
+    if config.get("format") != EXPORT_FORMAT:
+        raise ValueError(f"{folder / 'config.json'}: format {config.get('format')!r}, expected {EXPORT_FORMAT!r}")
+    name = config["architecture"]
+    target_dict = dict(config["target"]["config"])
+    target_config = AutoConfig.for_model(target_dict.pop("model_type"), **target_dict)
+    state = load_file(str(folder / "model.safetensors"))
+    drafter_cfg = DRAFTER_CONFIGS[name](**config["drafter"])
+    vocab, hidden = target_config.vocab_size, target_config.hidden_size
+    module = build_drafter(name, drafter_cfg, target_config, torch.zeros(vocab, hidden), torch.zeros(vocab, hidden),
+                           state["d2t"])  # fmt: skip
+    module.load_state_dict(state, strict=True)
+    return module.eval(), config
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--run", required=True, help="a training run folder (holds config.yaml and step_XXXXXX/)")
+    ap.add_argument("--step", default="latest", help="'latest' or a step folder name")
+    ap.add_argument("--out", default=None, help="default: <run>/drafter")
+    args = ap.parse_args(argv)
+    from .run import export_from_checkpoint
+
+    print(export_from_checkpoint(Path(args.run), args.step, args.out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,391 @@
+"""Drafter training losses and metrics: pure functions on tensors (SPECBLOCK.md 1.3 and 1.5).
+
+Shared shapes. Every drafter returns per-slot draft logits [B,S,K,V]: slot k at context position t
+predicts token t+2+k. The trainer passes the target's logits for the same tokens, restricted to the
+draft vocabulary (teacher [B,S,K,V]), and `valid` [B,S,K] bool (the predicted token exists, is a real
+token and is an assistant token). Rank-head logits are [B,S,K,C] with C = len(rank_buckets)+1.
+
+Metrics are returned as `<name>_sum` / `<name>_count` tensor pairs so the trainer can all-reduce them
+before dividing (`ratio_metrics`). Losses are float32 even for bf16 inputs.
+
+Reference: the authors' `specforge/core/specblock.py::_compute_batched_loss_acc_and_rank`. Deliberate
+difference: a slot whose target token is invalid breaks both chains (valid-prefix and rank chain), as
+greedy verification never gets past it; the reference compares whatever argmax it finds there.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+# Rank buckets of the reference: class 0 = rank 1, 1 = ranks 2-4, 2 = ranks 5-10, 3 = rank > 10 (give up).
+RANK_BUCKETS = (1, 4, 10)
+# Top-k kept at a slot predicted in class c (0 = stop the block there): the reference's default
+# `RANK_SLOT_TOPK` and its release "Pareto" preset `slim_r2` (SPECBLOCK.md 1.3).
+DEFAULT_TOPK_PER_CLASS = (2, 4, 10, 0)
+RELEASE_TOPK_PER_CLASS = (2, 4, 6, 4)
+CURRICULUM_UNITS = ("steps", "epochs")
+CURRICULUM_SHAPES = ("linear", "cosine", "step", "off")  # off: alpha = 0, the plain full loss (EAGLE-3)
+# Denominator floor of weighted means whose weights are all zero (the numerator is then 0 too).
+_EPS = 1e-12
+
+
+@dataclass
+class CurriculumConfig:
+    """Schedule of alpha in loss = (1-alpha) * full loss (every valid slot) + alpha * valid-prefix loss.
+
+    alpha is 0 before `start`, 1 from `end` on, and in between follows `shape`: "linear", "cosine"
+    (half-cosine: flat at both ends) or "step" (0 until `end`, then 1). `unit` says whether start/end
+    count optimizer steps or epochs.
+
+    Default: linear from step 0 to step 1000. A fresh drafter's top-1 is almost always wrong, so a
+    pure valid-prefix loss from step 0 gives slots >= 1 almost no entries (only where every earlier slot
+    is already right) and trains little but slot 0 at first. The full loss lets every slot learn the
+    easy tokens first; the ramp then hands over to the loss that matches inference (slot k matters only
+    when slots < k were accepted) as slot-0 accuracy rises. Linear is the simplest monotone handover;
+    steps (not epochs) keep it independent of the data-set size and short runs. start = end = 0 gives
+    the authors' recipe (valid-prefix loss from step 0).
+    """
+
+    start: int = 0
+    end: int = 1000
+    unit: str = "steps"
+    shape: str = "linear"
+
+    def __post_init__(self) -> None:
+        if self.unit not in CURRICULUM_UNITS:
+            raise ValueError(f"curriculum unit {self.unit!r} not in {CURRICULUM_UNITS}")
+        if self.shape not in CURRICULUM_SHAPES:
+            raise ValueError(f"curriculum shape {self.shape!r} not in {CURRICULUM_SHAPES}")
+        if not 0 <= self.start <= self.end:
+            raise ValueError(f"curriculum needs 0 <= start <= end, got start={self.start} end={self.end}")
+
+
+@dataclass
+class LossConfig:
+    """Weights and switches of `specblock_loss`.
+
+    slot_decay: slot k's distillation loss is weighted by slot_decay**k (0.8, like EAGLE-3).
+    rank_buckets: upper rank bound of each class but the last (C = len + 1).
+    rank_budget: per-batch, per-slot class re-weighting w(c) = min(1, budget / count_c); <= 0 disables.
+    rank_start_step: the rank loss counts from this optimizer step on (authors' default 2000, 0 in
+        their release scripts).
+    draft_topk: HASS-style distillation over the teacher's top-k tokens only; None = full vocabulary.
+    """
+
+    slot_decay: float = 0.8
+    curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
+    rank_buckets: tuple[int, ...] = RANK_BUCKETS
+    rank_budget: int = 10
+    rank_start_step: int = 0
+    rank_weight: float = 1.0
+    draft_topk: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.slot_decay <= 0:
+            raise ValueError(f"slot_decay must be > 0, got {self.slot_decay}")
+        self.rank_buckets = tuple(self.rank_buckets)  # OmegaConf.to_object hands over a list
+        _check_buckets(self.rank_buckets)
+        if self.rank_weight < 0:
+            raise ValueError(f"rank_weight must be >= 0, got {self.rank_weight}")
+        if self.draft_topk is not None and self.draft_topk < 1:
+            raise ValueError(f"draft_topk must be None or >= 1, got {self.draft_topk}")
+
+
+@dataclass
+class LossOutput:
+    """loss: scalar to backpropagate. metrics: detached `<name>_sum`/`<name>_count` pairs.
+    slot_losses [K]: per-slot distillation loss before slot weights. rank_loss: before gating and
+    rank_weight (0 without a rank head). prefix_alpha: the curriculum's alpha at this step."""
+
+    loss: Tensor
+    metrics: dict[str, Tensor]
+    slot_losses: Tensor
+    rank_loss: Tensor
+    prefix_alpha: float
+
+
+def _check_buckets(buckets: tuple[int, ...]) -> None:
+    if not buckets or buckets[0] < 1 or any(a >= b for a, b in zip(buckets, buckets[1:])):
+        raise ValueError(f"rank buckets must be strictly increasing ranks >= 1, got {buckets}")
+
+
+def _leading_run(ok: Tensor) -> Tensor:
+    """[..., K] bool -> [..., K] bool: True at slot k iff ok[..., :k] are all True (slot 0: always)."""
+    run = torch.cumprod(ok.long(), dim=-1)  # 1 while every slot so far, inclusive, is ok
+    return torch.cat([torch.ones_like(run[..., :1]), run[..., :-1]], dim=-1).bool()
+
+
+# ---------------------------------------------------------------- distillation
+
+
+def slot_weights(K: int, decay: float = 0.8, device: torch.device | None = None) -> Tensor:
+    """[K] float32: decay**k, the weight of slot k's distillation loss."""
+    return decay ** torch.arange(K, dtype=torch.float32, device=device)
+
+
+def forward_kl(
+    draft_logits: Tensor, teacher_logits: Tensor, valid: Tensor, topk: int | None = None
+) -> Tensor:
+    """Per-entry forward KL(teacher || draft) over the draft vocabulary, float32.
+
+    draft_logits, teacher_logits [B,S,K,V] (any float dtype), valid [B,S,K] bool -> kl [B,S,K], 0 where
+    invalid (teacher rows there may hold anything, even -inf padding). The teacher is a constant.
+    topk: sum only over the teacher's top-k tokens with their full-vocabulary probabilities, not
+    renormalised (as the authors' `--draft-loss-topk`: a position weighs by the mass of its top-k);
+    the minimiser is the same as with renormalised probabilities. This restricted sum can be < 0.
+    """
+    log_q = F.log_softmax(draft_logits.float(), dim=-1)  # [B,S,K,V]
+    with torch.no_grad():
+        p = F.softmax(teacher_logits.detach().float(), dim=-1)  # [B,S,K,V]
+        idx = None
+        if topk is not None:
+            p, idx = p.topk(topk, dim=-1)  # [B,S,K,topk]
+        p = p.masked_fill(~valid.unsqueeze(-1), 0.0)  # invalid rows: p = 0, so kl = 0 and no gradient
+        neg_entropy = torch.xlogy(p, p).sum(-1)  # [B,S,K]  sum p log p
+    if idx is not None:
+        log_q = log_q.gather(-1, idx)
+    return neg_entropy - (p * log_q).sum(-1)  # KL = sum p (log p - log q)
+
+
+def masked_mean_per_slot(x: Tensor, mask: Tensor) -> Tensor:
+    """x [B,S,K] float, mask [B,S,K] bool -> [K]: per-slot mean over masked entries (0 if none)."""
+    return (x * mask).sum((0, 1)) / mask.sum((0, 1)).clamp_min(1)
+
+
+def distill_loss(
+    kl: Tensor, valid: Tensor, decay: float = 0.8, prefix: Tensor | None = None, alpha: float = 1.0
+) -> tuple[Tensor, Tensor]:
+    """Slot-weighted distillation loss from per-entry KL.
+
+    kl [B,S,K], valid and prefix [B,S,K] bool -> (loss [], per_slot [K]).
+    per_slot_k = (1-alpha) * mean of kl over valid entries + alpha * mean over prefix entries (each a
+    ratio of sums over B,S; prefix None = the valid mean only); loss = sum_k decay**k * per_slot_k
+    (SPECBLOCK.md 1.5: total = sum_k w_k L_draft,k). alpha = 1 is the authors' chain-masked loss.
+    Blending the two means, not weighting entries 1 / (1-alpha) in one mean, keeps alpha effective on
+    a slot with few prefix entries: a single weighted mean would normalise the (1-alpha) away there.
+    """
+    per_slot = masked_mean_per_slot(kl, valid)  # [K]
+    if prefix is not None:
+        per_slot = (1.0 - alpha) * per_slot + alpha * masked_mean_per_slot(kl, prefix)
+    return (slot_weights(kl.shape[-1], decay, kl.device) * per_slot).sum(), per_slot
+
+
+@torch.no_grad()
+def top1_correct(draft_logits: Tensor, teacher_logits: Tensor, valid: Tensor) -> Tensor:
+    """[B,S,K,V] x2, valid [B,S,K] -> [B,S,K] bool: valid and argmax draft == argmax teacher."""
+    return valid & (draft_logits.argmax(-1) == teacher_logits.argmax(-1))
+
+
+@torch.no_grad()
+def valid_prefix_mask(draft_logits: Tensor, teacher_logits: Tensor, valid: Tensor) -> Tensor:
+    """The authors' chain mask: [B,S,K] bool, True where slot k is valid and slots 0..k-1 at that
+    position are all top-1 correct (and valid). Slot k itself counts even if it is wrong."""
+    return valid & _leading_run(top1_correct(draft_logits, teacher_logits, valid))
+
+
+def prefix_weight(cfg: CurriculumConfig, step: int, epoch: float) -> float:
+    """Curriculum alpha in [0, 1] at this step / epoch (see CurriculumConfig); non-decreasing in time."""
+    t = step if cfg.unit == "steps" else epoch
+    if cfg.shape == "off":
+        return 0.0
+    if t >= cfg.end:
+        return 1.0
+    if t < cfg.start or cfg.shape == "step":
+        return 0.0
+    frac = (t - cfg.start) / (cfg.end - cfg.start)
+    return frac if cfg.shape == "linear" else 0.5 * (1.0 - math.cos(math.pi * frac))
+
+
+# ---------------------------------------------------------------- rank labels
+
+
+@torch.no_grad()
+def rank_of_target(draft_logits: Tensor, teacher_logits: Tensor) -> Tensor:
+    """[B,S,K,V] x2 -> [B,S,K] long: 1-based rank of the teacher's argmax token in the draft logits,
+    1 + the number of tokens with a strictly higher draft logit (ties rank optimistically)."""
+    target = teacher_logits.argmax(-1, keepdim=True)  # [B,S,K,1]
+    return 1 + (draft_logits > draft_logits.gather(-1, target)).sum(-1)
+
+
+def rank_classes(ranks: Tensor, buckets: tuple[int, ...] = RANK_BUCKETS) -> Tensor:
+    """ranks [...] long -> class ids [...] long: class i holds buckets[i-1] < r <= buckets[i]; the last
+    class (len(buckets)) holds r > buckets[-1]. Default: 0: r=1, 1: r<=4, 2: r<=10, 3: r>10."""
+    _check_buckets(buckets)
+    return torch.bucketize(ranks, torch.tensor(buckets, device=ranks.device), right=False)
+
+
+def branching_for_class(classes: Tensor, topk_per_class: tuple[int, ...] = DEFAULT_TOPK_PER_CLASS) -> Tensor:
+    """Predicted classes [...] long -> per-position top-k branching [...] long (0 = stop the block)."""
+    return torch.tensor(topk_per_class, dtype=torch.long, device=classes.device)[classes]
+
+
+# ---------------------------------------------------------------- rank loss
+
+
+def ordinal_soft_targets(classes: Tensor, num_classes: int) -> Tensor:
+    """Asymmetric ordinal label smoothing: classes [...] -> soft targets [..., C], rows sum to 1.
+    s(c | t) ∝ 1 / (1 + |c-t| + max(t-c, 0))^2: a class below the truth (under-estimating the rank,
+    which would prune the right token) gets less mass than one equally far above it."""
+    c = torch.arange(num_classes, device=classes.device, dtype=torch.float32)  # [C]
+    diff = classes.unsqueeze(-1).float() - c  # [..., C]  t - c
+    raw = 1.0 / (1.0 + diff.abs() + diff.clamp(min=0.0)).square()
+    return raw / raw.sum(-1, keepdim=True)
+
+
+def distance_weight(target: Tensor, pred: Tensor) -> Tensor:
+    """Asymmetric distance weight 1 + |t-p| + max(t-p, 0), float: under-estimating (p < t) costs
+    2 per class of distance, over-estimating (only wasted branches) 1."""
+    diff = (target - pred).float()
+    return 1.0 + diff.abs() + diff.clamp(min=0.0)
+
+
+def class_balance_weights(classes: Tensor, mask: Tensor, num_classes: int, budget: int = 10) -> Tensor:
+    """Per-batch, per-slot class re-weighting: classes [B,S,K] long, mask [B,S,K] bool -> [B,S,K]
+    float, w = min(1, budget / count_c,k) where count_c,k counts masked entries of class c at slot k;
+    0 outside the mask. budget <= 0 disables (weights = mask)."""
+    if budget <= 0:
+        return mask.float()
+    one_hot = F.one_hot(classes, num_classes).float() * mask.unsqueeze(-1)  # [B,S,K,C]
+    w = (budget / one_hot.sum((0, 1)).clamp_min(1.0)).clamp(max=1.0)  # [K,C]
+    return (one_hot * w).sum(-1)  # picks w[k, class] at masked entries, 0 elsewhere
+
+
+def rank_chain_mask(pred: Tensor, classes: Tensor, valid: Tensor) -> Tensor:
+    """Rank-chain curriculum: pred, classes [B,S,K] long, valid [B,S,K] bool -> [B,S,K] bool, True on
+    slots 0..M where M is the first slot whose rank prediction is wrong (inclusive), valid only."""
+    return valid & _leading_run(valid & (pred == classes))
+
+
+def rank_loss(
+    rank_logits: Tensor, classes: Tensor, valid: Tensor, budget: int = 10
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Rank-head loss (SPECBLOCK.md 1.5, 4 parts) and rank accuracy.
+
+    rank_logits [B,S,K,C], classes [B,S,K] long (`rank_classes`), valid [B,S,K] bool ->
+    (loss [] float32, metrics) with metrics rank_acc_sum/count [K] (per slot, over valid entries, no
+    chain) and rank_class_acc_sum/count [C] (by true class). As in the reference, the loss is
+    sum(w_class * w_dist * CE) / sum(w_class) over all slots; the rank weights carry no gradient.
+    """
+    logits = rank_logits.float()
+    C = logits.shape[-1]
+    with torch.no_grad():
+        pred = logits.argmax(-1)  # [B,S,K]
+        mask = rank_chain_mask(pred, classes, valid)  # (1) chain curriculum
+        w_class = class_balance_weights(classes, mask, C, budget)  # (2) class re-weighting
+        soft = ordinal_soft_targets(classes, C)  # (3) ordinal smoothing [B,S,K,C]
+        w_dist = distance_weight(classes, pred)  # (4) asymmetric distance
+    ce = -(soft * F.log_softmax(logits, -1)).sum(-1)  # [B,S,K]
+    loss = (w_class * w_dist * ce).sum() / w_class.sum().clamp_min(_EPS)
+    correct = (valid & (pred == classes)).float()
+    by_class = F.one_hot(classes, C).float() * valid.unsqueeze(-1)  # [B,S,K,C]
+    metrics = {
+        "rank_acc_sum": correct.sum((0, 1)),
+        "rank_acc_count": valid.float().sum((0, 1)),
+        "rank_class_acc_sum": (by_class * correct.unsqueeze(-1)).sum((0, 1, 2)),
+        "rank_class_acc_count": by_class.sum((0, 1, 2)),
+    }
+    return loss, metrics
+
+
+def rank_loss_weight(step: int, start: int) -> float:
+    """Gate of the rank loss: 0.0 before optimizer step `start`, 1.0 from it on."""
+    return 1.0 if step >= start else 0.0
+
+
+# ---------------------------------------------------------------- metrics
+
+
+@torch.no_grad()
+def draft_metrics(correct: Tensor, valid: Tensor, kl: Tensor, prefix: Tensor) -> dict[str, Tensor]:
+    """Sums and counts (float32) for ratio-of-global-sums metrics.
+
+    correct, valid, prefix [B,S,K] bool (`top1_correct`, validity, valid-prefix mask), kl [B,S,K] ->
+    top1 [K]: top-1 accuracy per slot over valid entries (no prefix mask); kl [K]: mean KL per slot
+    over valid entries; prefix [K]: share of valid entries inside the valid prefix; accept_len []:
+    simulated acceptance length under greedy verification = leading top-1-correct slots (stopping at
+    the first wrong or invalid one) per position whose slot 0 is valid, draft tokens only (add 1 for
+    the target's bonus token to compare with decoding's tau); accept_hist [K+1]: share of those
+    positions accepting exactly 0..K slots.
+    """
+    K = correct.shape[-1]
+    n_valid = valid.float().sum((0, 1))  # [K]
+    starts = valid[..., 0].float()  # [B,S] 1 at positions that count as a verify step
+    accepted = torch.cumprod(correct.long(), -1).sum(-1)  # [B,S] leading correct slots
+    hist = (F.one_hot(accepted, K + 1).float() * starts.unsqueeze(-1)).sum((0, 1))  # [K+1]
+    n_starts = starts.sum()
+    return {
+        "top1_sum": correct.float().sum((0, 1)),
+        "top1_count": n_valid,
+        "kl_sum": (kl.detach() * valid).sum((0, 1)),
+        "kl_count": n_valid,
+        "prefix_sum": prefix.float().sum((0, 1)),
+        "prefix_count": n_valid,
+        "accept_len_sum": (accepted * starts).sum(),
+        "accept_len_count": n_starts,
+        "accept_hist_sum": hist,
+        "accept_hist_count": n_starts,
+    }
+
+
+def ratio_metrics(metrics: dict[str, Tensor]) -> dict[str, Tensor]:
+    """`<name>_sum` / `<name>_count` for every pair (0 where the count is 0); call after all-reduce."""
+    names = [k[: -len("_sum")] for k in metrics if k.endswith("_sum")]
+    return {n: metrics[f"{n}_sum"] / metrics[f"{n}_count"].clamp_min(_EPS) for n in names}
+
+
+# ---------------------------------------------------------------- combined
+
+
+def _check_shapes(
+    draft_logits: Tensor, teacher_logits: Tensor, valid: Tensor, rank_logits: Tensor | None, n_classes: int
+) -> None:
+    if draft_logits.dim() != 4 or teacher_logits.shape != draft_logits.shape:
+        raise ValueError(f"draft/teacher logits must both be [B,S,K,V], got {tuple(draft_logits.shape)} "
+                         f"and {tuple(teacher_logits.shape)}")
+    if valid.shape != draft_logits.shape[:-1] or valid.dtype != torch.bool:
+        raise ValueError(f"valid must be bool [B,S,K]={tuple(draft_logits.shape[:-1])}, got "
+                         f"{valid.dtype} {tuple(valid.shape)}")
+    if rank_logits is not None and rank_logits.shape != (*valid.shape, n_classes):
+        raise ValueError(f"rank logits must be [B,S,K,{n_classes}] (len(rank_buckets)+1), got "
+                         f"{tuple(rank_logits.shape)}")
+
+
+def specblock_loss(
+    draft_logits: Tensor,
+    teacher_logits: Tensor,
+    valid: Tensor,
+    rank_logits: Tensor | None,
+    cfg: LossConfig,
+    step: int,
+    epoch: float = 0.0,
+) -> LossOutput:
+    """The SpecBlock training loss (SPECBLOCK.md 1.5); rank_logits None = EAGLE-3 style (no rank head).
+
+    draft_logits, teacher_logits [B,S,K,V]; valid [B,S,K] bool; rank_logits [B,S,K,C] or None.
+    loss = sum_k decay^k L_draft,k + rank_weight * 1[step >= rank_start_step] * L_rank, with L_draft,k
+    = (1-alpha) * mean KL of slot k over valid entries + alpha * over its valid-prefix entries.
+    Before rank_start_step the rank term is multiplied by 0 rather than dropped, so the rank head
+    still gets (zero) gradients (DDP needs every parameter).
+    """
+    n_classes = len(cfg.rank_buckets) + 1
+    _check_shapes(draft_logits, teacher_logits, valid, rank_logits, n_classes)
+    # Valid-prefix mask and curriculum alpha (no gradient).
+    correct = top1_correct(draft_logits, teacher_logits, valid)  # [B,S,K]
+    prefix = valid & _leading_run(correct)
+    alpha = prefix_weight(cfg.curriculum, step, epoch)
+    # Distillation: forward KL per slot, (1-alpha) * full + alpha * valid-prefix, weighted by decay^k.
+    kl = forward_kl(draft_logits, teacher_logits, valid, cfg.draft_topk)
+    loss, slot_losses = distill_loss(kl, valid, cfg.slot_decay, prefix, alpha)
+    metrics = draft_metrics(correct, valid, kl, prefix)
+    rank = torch.zeros((), device=loss.device)
+    if rank_logits is not None:
+        classes = rank_classes(rank_of_target(draft_logits, teacher_logits), cfg.rank_buckets)
+        rank, rank_metrics = rank_loss(rank_logits, classes, valid, cfg.rank_budget)
+        loss = loss + cfg.rank_weight * rank_loss_weight(step, cfg.rank_start_step) * rank
+        metrics.update(rank_metrics)
+    return LossOutput(loss, metrics, slot_losses.detach(), rank.detach(), alpha)

@@ -1,0 +1,249 @@
+"""Pieces shared by the drafters: the output type, the target-derived layer config, a small attention
+block, the slot masks, the inference KV cache, and the frozen embedding / draft LM head.
+
+Why our own attention block instead of transformers' `LlamaDecoderLayer`: both drafters attend to keys
+that do not come from the same call (earlier blocks or TTT steps, an inference cache cropped to a
+slot), under masks no HF mask helper builds, and EAGLE-3's q/k/v read 2H inputs. A 40-line block that
+takes explicit extra keys and a boolean mask [B|1, 1, Lq, Lk] says this directly; it reuses HF's RMSNorm,
+MLP, RoPE and GQA helpers and keeps HF parameter names (`self_attn.q_proj`, `mlp.gate_proj`, ...), so
+exported weights load into Llama-style layers. Attention runs through `F.scaled_dot_product_attention`
+with that boolean mask (True = may attend).
+
+Flat layout: a block of N positions x K slots is flattened position-major, flat index = n*K + k.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import LlamaConfig, PretrainedConfig
+from transformers.models.llama.modeling_llama import (
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+    repeat_kv,
+)
+
+RMSNorm = LlamaRMSNorm
+Rotary = LlamaRotaryEmbedding
+KV = tuple[Tensor, Tensor]  # keys, values [B, Hkv, L, head_dim], RoPE already applied to the keys
+
+
+@dataclass
+class DrafterOutput:
+    """logits [B,S,K,Vd] (slot k at context position t predicts token t+2+k); hidden [B,S,K,H] pre-norm
+    states (cross-block inheritance, EAGLE TTT); rank_logits [B,S,K,C] or None."""
+
+    logits: Tensor
+    hidden: Tensor
+    rank_logits: Tensor | None = None
+
+
+# ---------------------------------------------------------------- config from the target
+
+
+def _rope_parameters(text_config: PretrainedConfig) -> dict:
+    """The target's RoPE settings as transformers-5 `rope_parameters`; per-layer-type dicts (Gemma-3
+    style) give their full-attention entry; configs without any give default RoPE with `rope_theta`."""
+    params = getattr(text_config, "rope_parameters", None)
+    if isinstance(params, dict) and "rope_type" not in params and "full_attention" in params:
+        params = params["full_attention"]
+    if not params:
+        params = {"rope_type": "default", "rope_theta": getattr(text_config, "rope_theta", 10000.0)}
+    return dict(params)
+
+
+def drafter_layer_config(target_config: PretrainedConfig, num_layers: int) -> LlamaConfig:
+    """A Llama config for the drafter's layers with the target's widths, heads, norm eps and RoPE, so a
+    Llama / Qwen / Mistral-style target works. The drafter is Llama-style whatever the target is
+    (no q/k norms, no attention bias)."""
+    tc = target_config.get_text_config()
+    heads = tc.num_attention_heads
+    return LlamaConfig(
+        vocab_size=tc.vocab_size, hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=heads,
+        num_key_value_heads=getattr(tc, "num_key_value_heads", None) or heads,
+        head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // heads,
+        hidden_act=getattr(tc, "hidden_act", "silu"), rms_norm_eps=tc.rms_norm_eps,
+        max_position_embeddings=tc.max_position_embeddings, rope_parameters=_rope_parameters(tc),
+    )
+
+
+# ---------------------------------------------------------------- attention and layer
+
+
+class Attention(nn.Module):
+    """Multi-head GQA self-attention over [extra keys ; own keys] with an explicit boolean mask."""
+
+    def __init__(self, cfg: LlamaConfig, in_features: int):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.num_heads, self.num_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.q_proj = nn.Linear(in_features, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(in_features, self.num_kv * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(in_features, self.num_kv * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor, extra: KV | None = None
+                ) -> tuple[Tensor, KV]:
+        """x [B,L,Din]; rope (cos, sin) [B,L,hd]; mask [B|1,1,L,N+L] bool over [extra (N) ; own (L)] keys;
+        extra: keys/values [B,Hkv,N,hd] or None. Returns out [B,L,H] and this call's own (k, v)."""
+        B, L, _ = x.shape
+        q = self.q_proj(x).view(B, L, -1, self.head_dim).transpose(1, 2)  # [B,Hq,L,hd]
+        k = self.k_proj(x).view(B, L, -1, self.head_dim).transpose(1, 2)  # [B,Hkv,L,hd]
+        v = self.v_proj(x).view(B, L, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, *rope)
+        keys, values = (k, v) if extra is None else (torch.cat([extra[0], k], 2), torch.cat([extra[1], v], 2))
+        groups = self.num_heads // self.num_kv
+        out = F.scaled_dot_product_attention(q, repeat_kv(keys, groups), repeat_kv(values, groups),
+                                             attn_mask=mask)  # [B,Hq,L,hd]
+        return self.o_proj(out.transpose(1, 2).reshape(B, L, -1)), (k, v)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm Llama layer (attention + SwiGLU MLP, residuals) over explicit extra keys."""
+
+    def __init__(self, cfg: LlamaConfig, attn_in: int | None = None):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, attn_in or cfg.hidden_size)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg)
+
+    def forward(self, h: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor, extra: KV | None = None
+                ) -> tuple[Tensor, KV]:
+        """h [B,L,H] -> (h [B,L,H], own kv)."""
+        return self.attend(h, self.input_layernorm(h), rope, mask, extra)
+
+    def attend(self, residual: Tensor, attn_in: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor,
+               extra: KV | None) -> tuple[Tensor, KV]:
+        out, kv = self.self_attn(attn_in, rope, mask, extra)
+        h = residual + out
+        return h + self.mlp(self.post_attention_layernorm(h)), kv
+
+
+def cat_kv(a: list[KV] | None, b: list[KV]) -> list[KV]:
+    """Per layer, keys/values of a then b along the sequence axis."""
+    if a is None:
+        return b
+    return [(torch.cat([ka, kb], 2), torch.cat([va, vb], 2)) for (ka, va), (kb, vb) in zip(a, b)]
+
+
+# ---------------------------------------------------------------- masks
+
+
+def slot_mask(T: int, K: int, key_valid: Tensor | None = None, *, earlier: bool, same_slots: int | None,
+              device: torch.device | None = None) -> Tensor:
+    """Boolean mask [B|1, 1, T*K, T*K] between two flat blocks of T positions x K slots.
+
+    Query (t, s) may see key (t', k') iff
+      earlier and t' < t and key_valid[t']            (every slot of an earlier, non-padding position), or
+      t' == t and k' <= s     (same_slots None: causal over the slots of its own position), or
+      t' == t and k' < same_slots                     (a fixed prefix of another block's slots).
+    A query always sees its own position's slot 0 when same_slots is None, so no row is empty.
+    With K = 1 this is the usual causal mask (earlier=True) or the diagonal (earlier=False).
+    """
+    pos = torch.arange(T, device=device).repeat_interleave(K)  # [T*K] position of each flat index
+    slot = torch.arange(K, device=device).repeat(T)  # [T*K] slot of each flat index
+    same_pos = pos[:, None] == pos[None, :]
+    limit = slot[:, None] if same_slots is None else torch.full_like(slot[:, None], same_slots - 1)
+    mask = (same_pos & (slot[None, :] <= limit))[None]  # [1,TK,TK]
+    if earlier:
+        prior = (pos[None, :] < pos[:, None])[None]  # [1,TK,TK]
+        if key_valid is not None:
+            prior = prior & key_valid.bool().repeat_interleave(K, dim=1)[:, None, :]  # [B,TK,TK]
+        mask = mask | prior
+    return mask[:, None]
+
+
+def shift_left(x: Tensor, offset: int, fill: float | int = 0) -> Tensor:
+    """x [B,T,...] -> y with y[:, t] = x[:, t+offset], `fill` past the end (how later blocks / TTT steps
+    read tokens, and how the trainer must shift targets and masks by the same offsets)."""
+    if offset == 0:
+        return x
+    tail = torch.full_like(x[:, :offset], fill)
+    return torch.cat([x[:, offset:], tail], dim=1)[:, : x.shape[1]]
+
+
+# ---------------------------------------------------------------- inference cache
+
+
+@dataclass
+class DraftCache:
+    """Keys/values a drafted block attends to, per layer [B, Hkv, N, head_dim] (RoPE applied), in the
+    order they were produced. `visible` [B, N] bool hides entries per row (None = all visible).
+
+    Every entry is visible to the next call (unless hidden). So the caller keeps exactly the keys the
+    next draft should see: the committed context (SpecBlock: block 1's K slots of every verified
+    position, position-major; EAGLE-3: step 0 of every verified position) followed, while expanding a
+    tree, by the same-position slots of the blocks/steps on the path to the current leaf.
+    `crop(n)` drops everything after entry n: back to the committed context, or to "block 1 up to slot
+    m" (n = committed*K + m + 1 right after drafting block 1 at the last position). `rows(idx)` selects
+    or repeats batch rows, one per leaf to expand.
+    """
+
+    keys: list[Tensor]
+    values: list[Tensor]
+    visible: Tensor | None = None
+
+    def __len__(self) -> int:
+        return self.keys[0].shape[2]
+
+    def crop(self, n: int) -> DraftCache:
+        vis = None if self.visible is None else self.visible[:, :n]
+        return DraftCache([k[:, :, :n] for k in self.keys], [v[:, :, :n] for v in self.values], vis)
+
+    def rows(self, index: Tensor) -> DraftCache:
+        vis = None if self.visible is None else self.visible[index]
+        return DraftCache([k[index] for k in self.keys], [v[index] for v in self.values], vis)
+
+    def layer(self, i: int) -> KV:
+        return self.keys[i], self.values[i]
+
+    def key_mask(self, own: Tensor) -> Tensor:
+        """own [B|1,1,L,L] mask among the new entries -> [B,1,L,N+L] over [cache ; new]."""
+        B, L = self.keys[0].shape[0], own.shape[-1]
+        vis = self.visible if self.visible is not None else torch.ones(B, len(self), dtype=torch.bool,
+                                                                       device=own.device)
+        return torch.cat([vis[:, None, None, :].expand(B, 1, L, len(self)), own.expand(B, 1, L, L)], dim=-1)
+
+    def append(self, kv: list[KV]) -> DraftCache:
+        """New entries (visible) after the existing ones."""
+        keys = [torch.cat([k, nk], 2) for k, (nk, _) in zip(self.keys, kv)]
+        values = [torch.cat([v, nv], 2) for v, (_, nv) in zip(self.values, kv)]
+        vis = self.visible
+        if vis is not None:
+            vis = torch.cat([vis, vis.new_ones(vis.shape[0], kv[0][0].shape[2])], dim=1)
+        return DraftCache(keys, values, vis)
+
+    @staticmethod
+    def from_kv(kv: list[KV]) -> DraftCache:
+        return DraftCache([k for k, _ in kv], [v for _, v in kv])
+
+
+def position_ids(position: int | Tensor, B: int, n: int, device: torch.device) -> Tensor:
+    """[B, n] = position + arange(n) for an int or a [B] tensor of start positions."""
+    start = torch.as_tensor(position, device=device).reshape(-1, 1).expand(B, 1)
+    return start + torch.arange(n, device=device)
+
+
+# ---------------------------------------------------------------- embedding and head
+
+
+def frozen_embedding(embed_weight: Tensor) -> nn.Embedding:
+    """The target's token embedding [V,H], copied in the default dtype and frozen."""
+    weight = embed_weight.detach().clone().to(torch.get_default_dtype())
+    return nn.Embedding.from_pretrained(weight, freeze=True)
+
+
+def draft_lm_head(lm_head_weight: Tensor, d2t: Tensor) -> nn.Linear:
+    """Trainable Linear(H, Vd) initialised from the target head's rows d2t ([V,H] -> [Vd,H])."""
+    rows = lm_head_weight.detach()[d2t.to(lm_head_weight.device)]
+    head = nn.Linear(rows.shape[1], rows.shape[0], bias=False)
+    with torch.no_grad():
+        head.weight.copy_(rows.to(head.weight.dtype))
+    return head

@@ -1,0 +1,134 @@
+"""The EAGLE-3 baseline drafter (SPECBLOCK.md 1.8; SafeAILab/EAGLE `eagle/traineagle3/cnets.py`).
+
+One decoder layer `midlayer` whose attention reads [RMSNorm(embed(token)) ; RMSNorm(hidden)] (2H) and
+whose residual stream is `hidden`; `fc` projects the target's low|mid|high features (F*H -> H).
+
+Training-time test (TTT), K = ttt_length steps over the same sequence:
+  step 0: hidden = fc(features[:, t]), token = input_ids[:, t] (aligned: the target's token t+1);
+  step s: hidden = the layer's output of step s-1 at the same position t, token = input_ids[:, t+s].
+Step s at position t predicts token t+2+s (DrafterOutput slot k = step k) and attends to the step-0 keys
+of the non-padding positions <= t (the cached context) plus its own earlier steps' keys at position t
+(the diagonal), as cnets does. RoPE ids follow cnets: t + s (+ position_offset).
+Parameter names follow EAGLE-3 checkpoints (fc, midlayer.{input_layernorm, hidden_norm, self_attn, ...},
+norm, lm_head, d2t, t2d), except that d2t holds target ids, not EAGLE's offsets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from transformers import LlamaConfig, PretrainedConfig
+
+from .common import (
+    KV,
+    DecoderLayer,
+    DraftCache,
+    DrafterOutput,
+    RMSNorm,
+    Rotary,
+    cat_kv,
+    draft_lm_head,
+    drafter_layer_config,
+    frozen_embedding,
+    position_ids,
+    shift_left,
+    slot_mask,
+)
+from .vocab import resolve_vocab_map, t2d_from_d2t
+
+
+@dataclass
+class Eagle3Config:
+    """ttt_length: TTT steps K unrolled in training (EAGLE-3 trains 7); draft_vocab_size None = the
+    target's; num_feature_layers: how many target hidden states `features` concatenates (F)."""
+
+    ttt_length: int = 7
+    draft_vocab_size: int | None = None
+    num_feature_layers: int = 3
+
+    def __post_init__(self):
+        if self.ttt_length < 1 or self.num_feature_layers < 1:
+            raise ValueError(f"ttt_length and num_feature_layers must be >= 1, got {self.ttt_length}, "
+                             f"{self.num_feature_layers}")
+
+
+class Eagle3Layer(DecoderLayer):
+    """EAGLE-3's midlayer: attention over [input_layernorm(emb) ; hidden_norm(h)], residual h."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__(cfg, attn_in=2 * cfg.hidden_size)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+
+    def forward(self, emb: Tensor, h: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor,
+                extra: KV | None = None) -> tuple[Tensor, KV]:
+        """emb, h [B,L,H] -> (h [B,L,H], own kv)."""
+        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(h)], dim=-1)  # [B,L,2H]
+        return self.attend(h, x, rope, mask, extra)
+
+
+class Eagle3Drafter(nn.Module):
+    """See the module docstring. Built from the target's config, embedding [V,H], LM head [V,H] and d2t."""
+
+    def __init__(self, cfg: Eagle3Config, target_config: PretrainedConfig, embed_weight: Tensor,
+                 lm_head_weight: Tensor, d2t: Tensor | None = None):
+        super().__init__()
+        lcfg = drafter_layer_config(target_config, 1)
+        H, V = lcfg.hidden_size, lcfg.vocab_size
+        d2t = resolve_vocab_map(d2t, cfg.draft_vocab_size, V)
+        if tuple(embed_weight.shape) != (V, H):
+            raise ValueError(f"embed_weight is {tuple(embed_weight.shape)}, the target config says {(V, H)}")
+        self.cfg, self.block_size, self.hidden_size = cfg, cfg.ttt_length, H
+        self.feature_size = cfg.num_feature_layers * H
+        self.embed_tokens = frozen_embedding(embed_weight)
+        self.fc = nn.Linear(self.feature_size, H, bias=False)
+        self.midlayer = Eagle3Layer(lcfg)
+        self.norm = RMSNorm(H, eps=lcfg.rms_norm_eps)
+        self.lm_head = draft_lm_head(lm_head_weight, d2t)
+        self.rotary = Rotary(lcfg)
+        self.register_buffer("d2t", d2t)
+        self.register_buffer("t2d", t2d_from_d2t(d2t, V))
+
+    def forward(self, features: Tensor, input_ids: Tensor, attention_mask: Tensor | None = None,
+                position_offset: int = 0) -> DrafterOutput:
+        """features [B,T,F*H]; input_ids [B,T] aligned; attention_mask [B,T] -> logits [B,T,K,Vd],
+        hidden [B,T,K,H] (step k's layer output), rank_logits None."""
+        B, T, _ = features.shape
+        valid = None if attention_mask is None else attention_mask.bool()
+        causal = slot_mask(T, 1, valid, earlier=True, same_slots=None, device=features.device)
+        causal = causal.expand(B, -1, -1, -1)  # [B,1,T,T]
+        diagonal = slot_mask(T, 1, None, earlier=False, same_slots=None, device=features.device)
+        h, extra, states = self.fc(features), None, []
+        for s in range(self.block_size):
+            mask = torch.cat([causal] + [diagonal.expand(B, -1, -1, -1)] * s, dim=-1)  # [B,1,T,(s+1)T]
+            pos = position_ids(s + position_offset, B, T, features.device)  # [B,T]
+            h, kv = self._step(h, shift_left(input_ids, s), pos, mask, extra)
+            extra = cat_kv(extra, [kv])
+            states.append(h)
+        hidden = torch.stack(states, dim=2)  # [B,T,K,H]
+        return DrafterOutput(logits=self.lm_head(self.norm(hidden)), hidden=hidden, rank_logits=None)
+
+    def _step(self, h: Tensor, tokens: Tensor, pos: Tensor, mask: Tensor, extra: list[KV] | None
+              ) -> tuple[Tensor, KV]:
+        """h [B,L,H], tokens [B,L], pos [B,L], mask [B,1,L,E+L] -> (h [B,L,H], kv [B,Hkv,L,hd])."""
+        emb = self.embed_tokens(tokens).to(h.dtype)
+        return self.midlayer(emb, h, self.rotary(h, pos), mask, None if extra is None else extra[0])
+
+    def draft_step(self, condition: Tensor, token: Tensor, past: DraftCache | None = None, *,
+                   position: int | Tensor = 0, inherited: bool = False) -> tuple[Tensor, Tensor, DraftCache]:
+        """One drafting step per row that sees every visible cache entry and itself.
+        condition [B,F*H] target features (step 0, at context position t: position = t, past = step-0
+        entries of positions < t) or [B,H] the previous step's hidden (inherited=True, position = t+s,
+        past = step-0 entries of positions <= t + the path's earlier steps); token [B].
+        Returns logits [B,Vd], hidden [B,H] and the cache with this step's entry appended."""
+        expected = self.hidden_size if inherited else self.feature_size
+        if condition.shape[-1] != expected:
+            raise ValueError(f"condition has width {condition.shape[-1]}, expected {expected}")
+        h = (condition if inherited else self.fc(condition))[:, None]  # [B,1,H]
+        own = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=h.device)
+        mask = own.expand(h.shape[0], -1, -1, -1) if past is None else past.key_mask(own)
+        pos = position_ids(position, h.shape[0], 1, h.device)
+        h, kv = self._step(h, token[:, None], pos, mask, None if past is None else [past.layer(0)])
+        past = DraftCache.from_kv([kv]) if past is None else past.append([kv])
+        return self.lm_head(self.norm(h[:, 0])), h[:, 0], past

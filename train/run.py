@@ -1,0 +1,98 @@
+"""The training stage end to end: data (skipped when up to date) -> drafter -> fit -> export."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from filelock import FileLock
+from omegaconf import OmegaConf
+
+from specblock.data.capture import load_feature_rows
+from specblock.data.manifest import read_manifest
+from specblock.data.prepare import prepare
+from specblock.data.shards import TokenDataset
+from specblock.data.target import default_feature_layers, load_target
+
+from .batching import collate
+from .checkpoint import read_model_state, resolve_resume
+from .config import TrainConfig
+from .export import export_drafter
+from .modeling import build_drafter, build_vocab_map, count_tokens
+from .strategies import STRATEGIES
+from .tracking import is_main, log0
+from .trainer import fit
+
+
+def feature_rows(features_dir: Path) -> list[dict[str, torch.Tensor]]:
+    """Every row of an offline feature cache (features, last_hidden, input_ids, loss_mask), in memory."""
+    manifest = read_manifest(features_dir)
+    return [row for shard in manifest.shards for row in load_feature_rows(features_dir / shard.file)]
+
+
+def draft_vocab(rows, vocab_size: int, size: int | None) -> torch.Tensor | None:
+    """d2t of the `size` most frequent assistant tokens of the training rows (None: full vocabulary)."""
+    if size is None or size >= vocab_size:
+        return None
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for r in rows:
+        counts += count_tokens(torch.as_tensor(r["input_ids"]), vocab_size, torch.as_tensor(r["loss_mask"]))
+    return build_vocab_map(counts, size)[0]
+
+
+def build(cfg: TrainConfig):
+    """Data stage, target, dataset, drafter and strategy for `cfg`."""
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out / ".prepare.lock")):  # every rank runs this; the first one does the work
+        data = prepare(cfg.data)
+    target, tokenizer = load_target(cfg.data.target)
+    layers = cfg.data.target.feature_layers or default_feature_layers(target.config.num_hidden_layers)
+    rows = feature_rows(data.features_dir) if cfg.features == "offline" else TokenDataset(data.tokens_dir)
+    d2t = draft_vocab(rows, target.config.vocab_size, cfg.drafter.draft_vocab_size)
+    drafter_cfg = cfg.drafter.specific(num_feature_layers=len(layers))
+    torch.manual_seed(cfg.trainer.seed)  # the drafter's initial weights depend on the seed alone
+    module = build_drafter(cfg.drafter.name, drafter_cfg, target.config, target.get_input_embeddings().weight,
+                           target.get_output_embeddings().weight, d2t)  # fmt: skip
+    head = target.get_output_embeddings().weight.detach().clone() if cfg.features == "offline" else None
+    teacher = target if cfg.features == "online" else None
+    strategy = STRATEGIES[cfg.drafter.name](module, teacher, layers, cfg.loss, cfg.strategy, head)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return strategy, rows, functools.partial(collate, pad_id=pad_id), target.config, drafter_cfg, layers
+
+
+def train(cfg: TrainConfig, resolved: dict | None = None) -> dict[str, float]:
+    """Runs the whole stage; returns the final metrics (of the last logging window)."""
+    resolved = resolved if resolved is not None else asdict(cfg)
+    strategy, rows, collate_fn, target_config, drafter_cfg, layers = build(cfg)
+    if is_main():
+        OmegaConf.save(OmegaConf.create(resolved), Path(cfg.output_dir) / "config.yaml")
+    metrics = fit(strategy, rows, collate_fn, cfg.trainer, run_config=resolved)
+    if cfg.export and is_main():
+        final = resolve_resume("latest", cfg.trainer.output_dir)
+        strategy.module.load_state_dict(read_model_state(final))  # ZeRO-3 keeps params sharded: read the checkpoint
+        card = {"data": f"{cfg.data.corpus.source} ({cfg.data.out_dir}, regenerated={cfg.data.regenerate.enabled})",
+                "steps": metrics.get("step"), "run": cfg.run_name, "metrics": metrics}  # fmt: skip
+        path = export_drafter(strategy.module, Path(cfg.output_dir) / "drafter", name=cfg.drafter.name,
+                              drafter_cfg=drafter_cfg, target_config=target_config,
+                              target_id=cfg.data.target.target_id, target_revision=cfg.data.target.revision,
+                              feature_layers=layers, card=card)  # fmt: skip
+        log0(f"exported drafter: {path}")
+    return metrics
+
+
+def export_from_checkpoint(run_dir: Path, step: str = "latest", out: str | None = None) -> Path:
+    """Re-export a run's drafter from one of its checkpoints (python -m specblock.train.export)."""
+    from .config import register_configs
+
+    register_configs()
+    cfg: TrainConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig),
+                                                           OmegaConf.load(run_dir / "config.yaml")))  # fmt: skip
+    strategy, _, _, target_config, drafter_cfg, layers = build(cfg)
+    path = resolve_resume(step if step == "latest" else str(run_dir / step), cfg.trainer.output_dir)
+    strategy.module.load_state_dict(read_model_state(path))
+    return export_drafter(strategy.module, out or run_dir / "drafter", name=cfg.drafter.name, drafter_cfg=drafter_cfg,
+                          target_config=target_config, target_id=cfg.data.target.target_id,
+                          target_revision=cfg.data.target.revision, feature_layers=layers)  # fmt: skip

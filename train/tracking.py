@@ -1,0 +1,99 @@
+"""Rank-aware side effects in one place: `is_main`, `log0`, and the experiment trackers.
+
+Only rank 0 prints or logs. `make_tracker("none")` never imports wandb; `make_tracker("wandb")`
+goes through accelerate's tracker (`Accelerator(log_with="wandb")`), which logs on the main process
+only. Anchors: nanochat `print0`/`DummyWandb`, lightning-hydra-template `RankedLogger`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+TRACKERS = ("wandb", "none")
+REDACTED = "<redacted>"
+# Config keys whose values must never reach a log or a tracker (habit: no secrets in configs).
+SECRET_KEY = re.compile(
+    r"(api[_-]?key|secret|password|passwd|(access|auth|hf|hub|wandb)[_-]?token|^token$)", re.IGNORECASE
+)
+
+logger = logging.getLogger("specblock.train")
+
+
+def is_main() -> bool:
+    """True on the global rank 0, and in a plain single process.
+
+    Reads RANK, which `accelerate launch`, torchrun and the DeepSpeed launcher set on every rank,
+    so it is safe to call before any process group exists and has no side effects.
+    """
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def log0(msg: str) -> None:
+    """Log `msg` at INFO level, on rank 0 only."""
+    if is_main():
+        logger.info(msg)
+
+
+def redact_secrets(config: Any) -> Any:
+    """A copy of a nested config (dicts/lists) with the values of secret-looking keys replaced."""
+    if isinstance(config, Mapping):
+        return {k: REDACTED if SECRET_KEY.search(str(k)) else redact_secrets(v) for k, v in config.items()}
+    if isinstance(config, (list, tuple)):
+        return [redact_secrets(v) for v in config]
+    return config
+
+
+class NullTracker:
+    """The tracker for `logger=none`: same methods as `WandbTracker`, does nothing."""
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+
+class WandbTracker:
+    """W&B through accelerate. The Accelerator must have been built with `log_with="wandb"`.
+
+    With WANDB_MODE=offline the run lands in `<log_dir>/wandb/offline-run-*` (no network, no key).
+    """
+
+    def __init__(self, accelerator, project: str, run_name: str, config: Mapping[str, Any], log_dir: Path):
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.accelerator = accelerator
+        accelerator.init_trackers(
+            project,
+            config=redact_secrets(dict(config)),
+            init_kwargs={"wandb": {"dir": str(log_dir), "name": run_name}},
+        )
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        self.accelerator.log(dict(metrics), step=step)
+
+    def finish(self) -> None:
+        self.accelerator.end_training()
+
+
+def accelerate_log_with(kind: str) -> str | None:
+    """The `log_with` argument the Accelerator needs for tracker `kind`."""
+    if kind not in TRACKERS:
+        raise ValueError(f"logger={kind!r}; expected one of {TRACKERS}")
+    return None if kind == "none" else kind
+
+
+def make_tracker(
+    kind: str, accelerator=None, *, project: str = "", run_name: str = "",
+    config: Mapping[str, Any] | None = None, log_dir: Path | None = None,
+) -> NullTracker | WandbTracker:
+    """`NullTracker()` for "none" (wandb is not imported); otherwise a `WandbTracker`."""
+    if accelerate_log_with(kind) is None:
+        return NullTracker()
+    if accelerator is None or log_dir is None:
+        raise ValueError(f"logger={kind!r} needs the accelerator and a log_dir")
+    return WandbTracker(accelerator, project, run_name, config or {}, log_dir)

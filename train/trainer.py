@@ -1,0 +1,403 @@
+"""The one training loop: `fit(strategy, dataset, collate_fn, cfg)`, for every drafter type.
+
+The loop knows nothing about drafters (habit 4): a `DrafterStrategy` turns a micro-batch into a
+loss SUM and metric sums (see `strategy.py` for the normalisation contract). It runs the same way in
+one process, under DDP and under DeepSpeed ZeRO-2/3 (`accelerate launch --config_file
+configs/accelerate/<name>.yaml`).
+
+Data order is ours, not accelerate's: an `EpochSampler` draws one seeded permutation per epoch and
+can start part-way through it, and the micro-batch stream runs across epoch boundaries. Resuming
+therefore replays exactly the micro-batches an uninterrupted run would see, and nothing at iterator
+creation consumes the global RNG, so a resumed run matches an uninterrupted one bit for bit.
+
+Each optimizer step draws `grad_accum` micro-batches up front, counts their loss terms over all
+ranks (the global N), and back-propagates `loss_sum * grad_accum * world / N` through
+`accelerator.backward`, which divides by `grad_accum` and whose gradient reduction averages over
+ranks: the gradient is that of (sum of all loss terms) / N. (accelerate's documented recipe for
+loss normalisation over the number of items under gradient accumulation.)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import resource
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType, GradientAccumulationPlugin, InitProcessGroupKwargs, set_seed
+from torch.utils.data import DataLoader, Dataset, Sampler
+from tqdm.auto import tqdm
+
+from .checkpoint import (
+    TrainProgress, config_hash, load_checkpoint, read_meta, resolve_resume, save_checkpoint,
+)
+from .optim import OptimConfig, build_optimizer, build_scheduler
+from .strategy import COUNT_SUFFIX, SCALAR_PREFIX, SUM_SUFFIX, DrafterStrategy, StepOutput
+from .tracking import TRACKERS, accelerate_log_with, log0, make_tracker
+
+MIXED_PRECISION = ("no", "bf16", "fp16", "auto")
+LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
+KIB_PER_GIB = 1024**2  # ru_maxrss is in KiB on Linux
+BYTES_PER_GIB = 1024**3
+# Names the trainer logs itself (as train/<name>); strategy metrics may not reuse them.
+RESERVED_METRICS = {"loss", "lr", "grad_norm", "epoch", "tokens_per_s", "tokens_seen", "peak_mem_gib"}
+
+
+@dataclass
+class TrainerConfig:
+    output_dir: str
+    max_steps: int | None = None  # optimizer steps; exactly one of max_steps / epochs
+    epochs: float | None = None
+    micro_batch_size: int = 8  # per rank
+    grad_accum: int = 1
+    seed: int = 0
+    mixed_precision: str = "auto"  # "auto": bf16 where CUDA supports it, else fp32
+    save_every: int = 500  # steps; 0: only at the end
+    keep_last: int = 3  # complete checkpoints kept; 0: all
+    log_every: int = 10
+    logger: str = "none"  # one of tracking.TRACKERS
+    project: str = "specblock"
+    run_name: str = "run"
+    resume: str | None = None  # None, "latest" or a step folder
+    num_workers: int = 0
+    optim: OptimConfig = field(default_factory=OptimConfig)
+
+    def __post_init__(self) -> None:
+        if (self.max_steps is None) == (self.epochs is None):
+            raise ValueError("set exactly one of max_steps and epochs")
+        if (self.max_steps or 1) <= 0 or (self.epochs or 1) <= 0:
+            raise ValueError(f"max_steps / epochs must be positive: {self.max_steps} / {self.epochs}")
+        if min(self.micro_batch_size, self.grad_accum, self.log_every) < 1:
+            raise ValueError("micro_batch_size, grad_accum and log_every must be >= 1")
+        if min(self.save_every, self.keep_last, self.num_workers) < 0:
+            raise ValueError("save_every, keep_last and num_workers must be >= 0")
+        if self.mixed_precision not in MIXED_PRECISION:
+            raise ValueError(f"mixed_precision={self.mixed_precision!r}; expected one of {MIXED_PRECISION}")
+        if self.logger not in TRACKERS:
+            raise ValueError(f"logger={self.logger!r}; expected one of {TRACKERS}")
+
+
+class EpochSampler(Sampler[int]):
+    """One seeded permutation of range(n) per epoch, optionally starting at position `start`.
+
+    Not a RandomSampler on purpose: accelerate leaves it alone (no seed synchronisation, no
+    replacement by its own sampler); its `set_epoch` is called by the prepared DataLoader.
+    """
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.seed, self.epoch, self.start = n, seed, 0, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.n - self.start
+
+    def __iter__(self) -> Iterator[int]:
+        rng = torch.Generator().manual_seed(self.seed + self.epoch)
+        yield from torch.randperm(self.n, generator=rng)[self.start:].tolist()
+
+
+def resolve_mixed_precision(mode: str) -> str:
+    if mode != "auto":
+        return mode
+    return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+
+
+def build_accelerator(cfg: TrainerConfig) -> Accelerator:
+    # Launched on CPU: without gloo, DeepSpeed picks a backend that breaks its batch-size check.
+    # (A plain single process must not get it: accelerate would then look for a process group.)
+    launched_on_cpu = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
+    handlers = [InitProcessGroupKwargs(backend="gloo")] if launched_on_cpu else []
+    return Accelerator(
+        mixed_precision=resolve_mixed_precision(cfg.mixed_precision),
+        # Each optimizer step draws exactly grad_accum micro-batches, across epoch ends.
+        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=cfg.grad_accum, sync_with_dataloader=False),
+        step_scheduler_with_optimizer=False,  # one scheduler step per update, not one per rank
+        rng_types=[],  # data order comes from EpochSampler; see module docstring
+        log_with=accelerate_log_with(cfg.logger),
+        kwargs_handlers=handlers,
+    )
+
+
+def sync_deepspeed_config(accelerator: Accelerator, cfg: TrainerConfig) -> None:
+    """Make the DeepSpeed config agree with the trainer: fill "auto"/absent keys, refuse conflicts."""
+    if accelerator.distributed_type != DistributedType.DEEPSPEED:
+        return
+    ds = accelerator.state.deepspeed_plugin.deepspeed_config
+    wanted = {"train_micro_batch_size_per_gpu": cfg.micro_batch_size,
+              "gradient_accumulation_steps": cfg.grad_accum, "gradient_clipping": cfg.optim.grad_clip}
+    for key, value in wanted.items():
+        if ds.get(key, "auto") not in ("auto", value):
+            raise ValueError(f"DeepSpeed config has {key}={ds[key]} but the trainer config says {value}")
+        ds[key] = value
+
+
+def prepare_teacher(accelerator: Accelerator, teacher: torch.nn.Module | None) -> torch.nn.Module | None:
+    """Frozen target for inference only: no grads, eval(), never given to the optimizer (habit 9).
+
+    Outside DeepSpeed it is replicated on every rank's device. Under DeepSpeed it is wrapped like
+    TRL's `prepare_deepspeed`: ZeRO-3 shards it with the drafter's (resolved) config, other stages
+    use stage 0, so it gets the same bf16/fp16 dtype as the drafter. Call after `prepare()`.
+    """
+    if teacher is None:
+        return None
+    teacher.requires_grad_(False).eval()
+    if accelerator.distributed_type != DistributedType.DEEPSPEED:
+        return teacher.to(accelerator.device)
+    import deepspeed
+
+    ds = {k: v for k, v in accelerator.deepspeed_config.items() if k not in ("optimizer", "scheduler")}
+    zero = dict(ds["zero_optimization"])
+    ds["zero_optimization"] = zero if zero.get("stage") == 3 else {"stage": 0}
+    engine, *_ = deepspeed.initialize(model=teacher, config=ds)
+    engine.eval()
+    return engine
+
+
+def _input_dtype(accelerator: Accelerator) -> torch.dtype | None:
+    """DeepSpeed stores bf16/fp16 weights and has no autocast: float inputs must match them."""
+    if accelerator.distributed_type != DistributedType.DEEPSPEED:
+        return None
+    return LOW_PRECISION.get(accelerator.mixed_precision)
+
+
+def _cast_floats(batch: Any, dtype: torch.dtype | None) -> Any:
+    if dtype is None:
+        return batch
+    if isinstance(batch, torch.Tensor):
+        return batch.to(dtype) if batch.is_floating_point() else batch
+    if isinstance(batch, Mapping):
+        return {k: _cast_floats(v, dtype) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_cast_floats(v, dtype) for v in batch)
+    return batch
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak memory of this process: CUDA allocator peak, or max RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / BYTES_PER_GIB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / KIB_PER_GIB
+
+
+class MetricWindow:
+    """What one logging window accumulates.
+
+    `sums` and `scalars` are per rank and get reduced over ranks before dividing (sum / mean);
+    `tokens` and `grad_norm_sum` are already global (every rank holds the same value).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device  # sums stay on the device: no host sync per micro-batch
+        self.sums: dict[str, torch.Tensor] = {}
+        self.scalars: dict[str, torch.Tensor] = {}
+        self.steps, self.tokens, self.grad_norm_sum, self.lr = 0, 0.0, 0.0, math.nan
+        self.start = time.perf_counter()
+
+    def add(self, name: str, value: torch.Tensor | float) -> None:
+        value = self._tensor(value)
+        self.sums[name] = self.sums[name] + value if name in self.sums else value
+
+    def add_output(self, out: StepOutput, n_items: float) -> None:
+        clash = {k.removeprefix(SCALAR_PREFIX).rsplit("/", 1)[0] for k in out.metrics} & RESERVED_METRICS
+        if clash:
+            raise ValueError(f"strategy metrics use names the trainer logs itself: {sorted(clash)}")
+        self.add("loss" + SUM_SUFFIX, out.loss)
+        self.add("loss" + COUNT_SUFFIX, n_items)
+        for name, value in out.metrics.items():
+            if name.startswith(SCALAR_PREFIX):
+                self.scalars[name[len(SCALAR_PREFIX):]] = self._tensor(value)
+            else:
+                self.add(name, value)
+
+    def _tensor(self, value: torch.Tensor | float) -> torch.Tensor:
+        if isinstance(value, torch.Tensor):
+            value = value.detach()
+        return torch.as_tensor(value, dtype=torch.float64, device=self.device)
+
+    def add_step(self, tokens: float, grad_norm: float, lr: float) -> None:
+        """Once per optimizer step; `lr` is the one this step used."""
+        self.steps, self.tokens, self.lr = self.steps + 1, self.tokens + tokens, lr
+        self.grad_norm_sum += grad_norm
+
+    def reduce(self, accelerator: Accelerator) -> dict[str, float]:
+        """`<name>` = global sum of `<name>/sum` / global sum of `<name>/count`; scalars: mean over ranks."""
+        out: dict[str, float] = {}
+        for values, op in ((self.sums, "sum"), (self.scalars, "mean")):
+            if values:
+                keys = sorted(values)  # same order on every rank
+                total = accelerator.reduce(torch.stack([values[k] for k in keys]), op)
+                out.update(zip(keys, total.tolist()))
+        for key in [k for k in out if k.endswith(SUM_SUFFIX)]:
+            name = key[: -len(SUM_SUFFIX)]
+            if name + COUNT_SUFFIX in out:
+                out[name] = out.pop(key) / max(out.pop(name + COUNT_SUFFIX), 1.0)
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        out.update(tokens_per_s=self.tokens / elapsed, grad_norm=self.grad_norm_sum / max(self.steps, 1), lr=self.lr)
+        return out
+
+
+@dataclass
+class _Run:
+    """Everything the loop touches, prepared."""
+
+    accelerator: Accelerator
+    cfg: TrainerConfig
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    stream: Iterator[Any]
+    progress: TrainProgress
+    total_steps: int
+    batches_per_rank: int  # micro-batches per epoch on each rank
+    cfg_hash: str
+    input_dtype: torch.dtype | None
+
+
+def _micro_batches(loader, sampler: EpochSampler, progress: TrainProgress, unit: int) -> Iterator[Any]:
+    """Endless micro-batches across epochs, resuming at `progress`; `unit` = samples per micro-batch
+    over all ranks (micro_batch_size x world), so skipping k per-rank batches skips k x unit samples."""
+    while True:
+        sampler.start = progress.batch_in_epoch * unit
+        loader.set_epoch(progress.epoch)
+        for batch in loader:
+            progress.batch_in_epoch += 1
+            yield batch
+        progress.epoch, progress.batch_in_epoch = progress.epoch + 1, 0
+
+
+def _total_steps(cfg: TrainerConfig, batches_per_rank: int) -> int:
+    if cfg.max_steps is not None:
+        return cfg.max_steps
+    return max(1, math.ceil(cfg.epochs * batches_per_rank / cfg.grad_accum))
+
+
+def _prepare(strategy: DrafterStrategy, dataset: Dataset, collate_fn: Callable, cfg: TrainerConfig,
+             run_config: Mapping[str, Any]) -> _Run:
+    accelerator = build_accelerator(cfg)
+    set_seed(cfg.seed)
+    sampler = EpochSampler(len(dataset), cfg.seed)
+    loader = DataLoader(dataset, batch_size=cfg.micro_batch_size, sampler=sampler, drop_last=True,
+                        collate_fn=collate_fn, num_workers=cfg.num_workers,
+                        generator=torch.Generator().manual_seed(cfg.seed))  # keeps the global RNG untouched
+    unit = cfg.micro_batch_size * accelerator.num_processes
+    batches_per_rank = len(dataset) // unit
+    if batches_per_rank == 0:
+        raise ValueError(f"{len(dataset)} samples give no full micro-batch of {cfg.micro_batch_size} "
+                         f"on each of {accelerator.num_processes} ranks")
+    total = _total_steps(cfg, batches_per_rank)
+    sync_deepspeed_config(accelerator, cfg)
+    optimizer = build_optimizer(strategy.module, cfg.optim)
+    scheduler = build_scheduler(optimizer, cfg.optim, total)
+    model, optimizer, loader, scheduler = accelerator.prepare(strategy.module, optimizer, loader, scheduler)
+    strategy.module = model
+    strategy.teacher = prepare_teacher(accelerator, getattr(strategy, "teacher", None))
+    progress = TrainProgress()
+    accelerator.register_for_checkpointing(progress, strategy)
+    return _Run(accelerator, cfg, model, optimizer, scheduler, _micro_batches(loader, sampler, progress, unit),
+                progress, total, batches_per_rank, config_hash(dict(run_config)), _input_dtype(accelerator))
+
+
+def _maybe_resume(run: _Run) -> None:
+    path = resolve_resume(run.cfg.resume, run.cfg.output_dir)
+    if path is None:
+        if run.cfg.resume is not None:
+            log0(f"resume={run.cfg.resume!r}: no checkpoint under {run.cfg.output_dir}, starting fresh")
+        return
+    meta = load_checkpoint(run.accelerator, path)
+    if meta.get("config_hash") != run.cfg_hash:
+        log0(f"resuming from {path} whose config hash {meta.get('config_hash')} differs from {run.cfg_hash}")
+    log0(f"resumed from {path} at step {run.progress.step}, epoch {run.progress.epoch}")
+
+
+def _draw(run: _Run) -> list[tuple[Any, int]]:
+    """The micro-batches of one optimizer step, each with its epoch (the stream crosses epoch ends)."""
+    drawn = []
+    for _ in range(run.cfg.grad_accum):
+        batch = _cast_floats(next(run.stream), run.input_dtype)
+        drawn.append((batch, run.progress.epoch))
+    return drawn
+
+
+def _train_step(run: _Run, strategy: DrafterStrategy, window: MetricWindow) -> None:
+    """One optimizer update over `grad_accum` micro-batches."""
+    acc, progress = run.accelerator, run.progress
+    micro = _draw(run)
+    local = torch.tensor([[float(strategy.num_loss_items(b)), float(strategy.num_tokens(b))] for b, _ in micro],
+                         dtype=torch.float64, device=acc.device)
+    n_items, n_tokens = acc.reduce(local.sum(0), "sum").tolist()  # global over micro-batches and ranks
+    scale = acc.gradient_accumulation_steps * acc.num_processes / max(n_items, 1.0)
+    for (batch, epoch), n_local in zip(micro, local[:, 0].tolist()):
+        with acc.accumulate(run.model):
+            with acc.autocast():
+                out = strategy.forward_loss(batch, progress.step, epoch)
+            acc.backward(out.loss * scale)
+        window.add_output(out, n_local)
+    if not acc.sync_gradients:
+        raise RuntimeError("gradient accumulation is out of step with the trainer's micro-batch count")
+    grad_norm = acc.clip_grad_norm_(run.model.parameters(), run.cfg.optim.grad_clip or math.inf)
+    lr = run.scheduler.get_last_lr()[0]
+    run.optimizer.step()
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    window.add_step(n_tokens, float(grad_norm) if grad_norm is not None else math.nan, lr)
+    progress.step += 1
+    progress.tokens += int(n_tokens)
+
+
+def _log_metrics(run: _Run, window: MetricWindow) -> dict[str, float]:
+    stats = window.reduce(run.accelerator)
+    epoch = run.progress.epoch + run.progress.batch_in_epoch / run.batches_per_rank
+    stats.update(epoch=epoch, tokens_seen=float(run.progress.tokens), peak_mem_gib=peak_memory_gib(run.accelerator.device))
+    return {f"train/{k}": v for k, v in stats.items()}
+
+
+def _save(run: _Run) -> None:
+    save_checkpoint(run.accelerator, run.model, run.cfg.output_dir, run.progress, run.cfg_hash, run.cfg.keep_last)
+
+
+def fit(strategy: DrafterStrategy, train_dataset: Dataset, collate_fn: Callable, cfg: TrainerConfig,
+        run_config: Mapping[str, Any] | None = None) -> dict[str, float]:
+    """Train `strategy.module` for `cfg.max_steps` (or `cfg.epochs`) optimizer steps.
+
+    `run_config` (default: `asdict(cfg)`) is what the tracker records and the checkpoint hash covers;
+    pass the whole resolved run config. Returns the metrics of the last logging window plus `step`.
+    After return `strategy.module` is the unwrapped drafter (under ZeRO-3 its parameters stay
+    partitioned: read the final checkpoint with `checkpoint.read_model_state` instead).
+    """
+    run_config = run_config if run_config is not None else asdict(cfg)
+    teacher = getattr(strategy, "teacher", None)
+    run = _prepare(strategy, train_dataset, collate_fn, cfg, run_config)
+    _maybe_resume(run)
+    tracker = make_tracker(cfg.logger, run.accelerator, project=cfg.project, run_name=cfg.run_name,
+                           config=run_config, log_dir=Path(cfg.output_dir))
+    metrics: dict[str, float] = {}
+    bar = tqdm(total=run.total_steps, initial=run.progress.step, desc="train",
+               disable=not run.accelerator.is_main_process)
+    try:
+        window = MetricWindow(run.accelerator.device)
+        while run.progress.step < run.total_steps:
+            strategy.module.train()
+            _train_step(run, strategy, window)
+            step, last = run.progress.step, run.progress.step == run.total_steps
+            bar.update()
+            if step % cfg.log_every == 0 or last:
+                metrics = _log_metrics(run, window)
+                tracker.log(metrics, step=step)
+                bar.set_postfix(loss=f"{metrics['train/loss']:.4f}")
+                window = MetricWindow(run.accelerator.device)
+            if (cfg.save_every and step % cfg.save_every == 0) or last:
+                _save(run)
+    finally:
+        bar.close()
+        tracker.finish()
+        strategy.module = run.accelerator.unwrap_model(run.model)
+        strategy.teacher = teacher
+    return {**metrics, "step": run.progress.step}
