@@ -99,15 +99,28 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
     return json.loads((Path(path) / META).read_text())
 
 
-def _weights_meta(accelerator: Accelerator, model: torch.nn.Module) -> dict[str, str]:
-    """How `read_model_state` finds the drafter weights in this checkpoint."""
+def _weights_meta(accelerator: Accelerator, model: torch.nn.Module, folder: Path) -> dict[str, str]:
+    """How `read_model_state` finds the drafter weights in this checkpoint (rank 0, after saving)."""
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         return {"format": "deepspeed", "tag": DS_TAG}
-    # accelerate saves the WRAPPED model's state dict; record the wrapper's key prefix ("module."
-    # for DDP, "_orig_mod." for torch.compile) instead of guessing it when reading.
-    wrapped = next(iter(model.state_dict()))
-    inner = next(iter(accelerator.unwrap_model(model).state_dict()))
-    return {"format": "safetensors", "file": SAFETENSORS_WEIGHTS, "key_prefix": wrapped[: len(wrapped) - len(inner)]}
+    from safetensors import safe_open
+
+    with safe_open(str(folder / SAFETENSORS_WEIGHTS), framework="pt") as f:
+        stored = list(f.keys())
+    inner = set(accelerator.unwrap_model(model).state_dict())
+    return {"format": "safetensors", "file": SAFETENSORS_WEIGHTS, "key_prefix": _key_prefix(stored, inner, folder)}
+
+
+def _key_prefix(stored: list[str], inner: set[str], folder: Path) -> str:
+    """The prefix a wrapper put before the unwrapped module's keys in the saved file ("" if none;
+    e.g. "module." for DDP or "_orig_mod." for torch.compile, depending on the accelerate version).
+    Read from the file rather than assumed; safetensors may have dropped tied duplicates."""
+    first = stored[0]
+    for name in sorted(inner, key=len, reverse=True):
+        prefix = first[: len(first) - len(name)]
+        if first.endswith(name) and all(k.startswith(prefix) and k[len(prefix):] in inner for k in stored):
+            return prefix
+    raise RuntimeError(f"the weights saved in {folder} do not match the drafter's parameter names")
 
 
 def save_checkpoint(
@@ -125,11 +138,10 @@ def save_checkpoint(
         tmp.parent.mkdir(parents=True, exist_ok=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp))
-    weights = _weights_meta(accelerator, model)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         meta = {**progress.state_dict(), "config_hash": cfg_hash, "num_processes": accelerator.num_processes,
-                "weights": weights}
+                "weights": _weights_meta(accelerator, model, tmp)}
         (tmp / META).write_text(json.dumps(meta, indent=2) + "\n")
         if final.exists():  # an earlier attempt at this step, e.g. before resuming from an older one
             shutil.rmtree(final)

@@ -82,12 +82,17 @@ def load_drafter(folder: str | Path) -> tuple[torch.nn.Module, dict[str, Any]]:
     target_dict = dict(config["target"]["config"])
     target_config = AutoConfig.for_model(target_dict.pop("model_type"), **target_dict)
     state = load_file(str(folder / "model.safetensors"))
-    drafter_cfg = DRAFTER_CONFIGS[name](**config["drafter"])
+    module = rebuild_drafter(name, DRAFTER_CONFIGS[name](**config["drafter"]), target_config, state)
+    return module.eval(), config
+
+
+def rebuild_drafter(name: str, drafter_cfg: Any, target_config: PretrainedConfig, state: dict[str, torch.Tensor]):
+    """A fresh drafter holding `state` (a full state dict, e.g. merged from ZeRO-3 shards): no target needed."""
     vocab, hidden = target_config.vocab_size, target_config.hidden_size
     module = build_drafter(name, drafter_cfg, target_config, torch.zeros(vocab, hidden), torch.zeros(vocab, hidden),
                            state["d2t"])  # fmt: skip
     module.load_state_dict(state, strict=True)
-    return module.eval(), config
+    return module
 
 
 def main(argv: list[str] | None = None) -> None:

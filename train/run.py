@@ -19,7 +19,7 @@ from specblock.data.target import default_feature_layers, load_target
 from .batching import collate
 from .checkpoint import read_model_state, resolve_resume
 from .config import TrainConfig
-from .export import export_drafter
+from .export import export_drafter, rebuild_drafter
 from .modeling import build_drafter, build_vocab_map, count_tokens
 from .strategies import STRATEGIES
 from .tracking import is_main, log0
@@ -71,11 +71,12 @@ def train(cfg: TrainConfig, resolved: dict | None = None) -> dict[str, float]:
         OmegaConf.save(OmegaConf.create(resolved), Path(cfg.output_dir) / "config.yaml")
     metrics = fit(strategy, rows, collate_fn, cfg.trainer, run_config=resolved)
     if cfg.export and is_main():
-        final = resolve_resume("latest", cfg.trainer.output_dir)
-        strategy.module.load_state_dict(read_model_state(final))  # ZeRO-3 keeps params sharded: read the checkpoint
+        # the final checkpoint, not strategy.module: under ZeRO-3 the module's parameters stay partitioned
+        state = read_model_state(resolve_resume("latest", cfg.trainer.output_dir))
+        module = rebuild_drafter(cfg.drafter.name, drafter_cfg, target_config, state)
         card = {"data": f"{cfg.data.corpus.source} ({cfg.data.out_dir}, regenerated={cfg.data.regenerate.enabled})",
                 "steps": metrics.get("step"), "run": cfg.run_name, "metrics": metrics}  # fmt: skip
-        path = export_drafter(strategy.module, Path(cfg.output_dir) / "drafter", name=cfg.drafter.name,
+        path = export_drafter(module, Path(cfg.output_dir) / "drafter", name=cfg.drafter.name,
                               drafter_cfg=drafter_cfg, target_config=target_config,
                               target_id=cfg.data.target.target_id, target_revision=cfg.data.target.revision,
                               feature_layers=layers, card=card)  # fmt: skip
@@ -90,9 +91,9 @@ def export_from_checkpoint(run_dir: Path, step: str = "latest", out: str | None 
     register_configs()
     cfg: TrainConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig),
                                                            OmegaConf.load(run_dir / "config.yaml")))  # fmt: skip
-    strategy, _, _, target_config, drafter_cfg, layers = build(cfg)
+    _, _, _, target_config, drafter_cfg, layers = build(cfg)
     path = resolve_resume(step if step == "latest" else str(run_dir / step), cfg.trainer.output_dir)
-    strategy.module.load_state_dict(read_model_state(path))
-    return export_drafter(strategy.module, out or run_dir / "drafter", name=cfg.drafter.name, drafter_cfg=drafter_cfg,
+    module = rebuild_drafter(cfg.drafter.name, drafter_cfg, target_config, read_model_state(path))
+    return export_drafter(module, out or run_dir / "drafter", name=cfg.drafter.name, drafter_cfg=drafter_cfg,
                           target_config=target_config, target_id=cfg.data.target.target_id,
                           target_revision=cfg.data.target.revision, feature_layers=layers)  # fmt: skip
