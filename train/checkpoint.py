@@ -8,6 +8,10 @@ config hash, how to read the weights). A checkpoint is complete iff its folder h
 so a crash mid-save leaves only a `.tmp_` folder that `find_latest` ignores and the next save
 replaces. `output_dir` must be on a filesystem every rank sees (DeepSpeed writes one shard per rank).
 
+The data position is ours too: `EpochSampler` draws one seeded permutation per epoch and can
+start part-way through it; `micro_batch_stream` runs across epoch ends and keeps `TrainProgress`
+current, so a resumed run draws exactly the micro-batches an uninterrupted run would have drawn.
+
 Training checkpoints are for resuming; `train/export.py` turns weights into a self-describing drafter
 from `export_state_dict` (live, all ranks) or `read_model_state` (offline, from a step folder).
 """
@@ -19,7 +23,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +31,7 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
+from torch.utils.data import Sampler
 
 META = "meta.json"
 STEP_FORMAT = "step_{:06d}"
@@ -34,6 +39,27 @@ STEP_RE = re.compile(r"^step_(\d{6,})$")
 TMP_PREFIX = ".tmp_"
 DS_TAG = "pytorch_model"  # the DeepSpeed checkpoint tag accelerate uses for the first model
 SAFETENSORS_WEIGHTS = "model.safetensors"  # what accelerate writes for the first model otherwise
+
+
+class EpochSampler(Sampler[int]):
+    """One seeded permutation of range(n) per epoch, optionally starting at position `start`.
+
+    Not a RandomSampler on purpose: accelerate leaves it alone (no seed synchronisation, no
+    replacement by its own sampler); its `set_epoch` is called by the prepared DataLoader.
+    """
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.seed, self.epoch, self.start = n, seed, 0, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.n - self.start
+
+    def __iter__(self) -> Iterator[int]:
+        rng = torch.Generator().manual_seed(self.seed + self.epoch)
+        yield from torch.randperm(self.n, generator=rng)[self.start:].tolist()
 
 
 @dataclass
@@ -55,6 +81,18 @@ class TrainProgress:
     def load_state_dict(self, state: Mapping[str, int]) -> None:
         for key, value in state.items():
             setattr(self, key, int(value))
+
+
+def micro_batch_stream(loader, sampler: EpochSampler, progress: TrainProgress, unit: int) -> Iterator[Any]:
+    """Endless micro-batches across epochs, resuming at `progress`; `unit` = samples per micro-batch
+    over all ranks (micro_batch_size x world), so skipping k per-rank batches skips k x unit samples."""
+    while True:
+        sampler.start = progress.batch_in_epoch * unit
+        loader.set_epoch(progress.epoch)
+        for batch in loader:
+            progress.batch_in_epoch += 1
+            yield batch
+        progress.epoch, progress.batch_in_epoch = progress.epoch + 1, 0
 
 
 def step_dir(output_dir: str | os.PathLike, step: int) -> Path:
@@ -108,7 +146,8 @@ def _weights_meta(accelerator: Accelerator, model: torch.nn.Module, folder: Path
     with safe_open(str(folder / SAFETENSORS_WEIGHTS), framework="pt") as f:
         stored = list(f.keys())
     inner = set(accelerator.unwrap_model(model).state_dict())
-    return {"format": "safetensors", "file": SAFETENSORS_WEIGHTS, "key_prefix": _key_prefix(stored, inner, folder)}
+    prefix = _key_prefix(stored, inner, folder)
+    return {"format": "safetensors", "file": SAFETENSORS_WEIGHTS, "key_prefix": prefix}
 
 
 def _key_prefix(stored: list[str], inner: set[str], folder: Path) -> str:

@@ -98,14 +98,14 @@ class DistillStrategy:
     @torch.no_grad()
     def target_outputs(self, batch: dict[str, Any]) -> tuple[Tensor, Tensor]:
         """features [B, T, F*H] and float32 logits [B, T, V] of the frozen target."""
+        dtype = next(self.module.parameters()).dtype  # a bf16 target or cache may feed an fp32 drafter
         if "features" in batch:  # offline: logits recomputed through the frozen LM head
-            dtype = next(self.module.parameters()).dtype  # the cache is bf16/fp16; the drafter may be fp32
             head = self.head_weight.to(batch["last_hidden"].device, torch.float32)
             return batch["features"].to(dtype), batch["last_hidden"].float() @ head.T
         out = self.teacher(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                            output_hidden_states=True, use_cache=False)  # fmt: skip
         features = torch.cat([out.hidden_states[i] for i in self.feature_layers], dim=-1)
-        return features, out.logits.float()
+        return features.to(dtype), out.logits.float()
 
     def draft(self, features: Tensor, tokens: Tensor, attention: Tensor, step: int) -> tuple[list[DrafterOutput], list[int]]:
         """Drafter outputs and the token offset of each block."""

@@ -5,9 +5,8 @@ loss SUM and metric sums (see `strategy.py` for the normalisation contract). It 
 one process, under DDP and under DeepSpeed ZeRO-2/3 (`accelerate launch --config_file
 configs/accelerate/<name>.yaml`).
 
-Data order is ours, not accelerate's: an `EpochSampler` draws one seeded permutation per epoch and
-can start part-way through it, and the micro-batch stream runs across epoch boundaries. Resuming
-therefore replays exactly the micro-batches an uninterrupted run would see, and nothing at iterator
+Data order is ours, not accelerate's (`checkpoint.EpochSampler`, `checkpoint.micro_batch_stream`):
+resuming replays exactly the micro-batches an uninterrupted run would see, and nothing at iterator
 creation consumes the global RNG, so a resumed run matches an uninterrupted one bit for bit.
 
 Each optimizer step draws `grad_accum` micro-batches up front, counts their loss terms over all
@@ -31,15 +30,16 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, GradientAccumulationPlugin, InitProcessGroupKwargs, set_seed
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
 from .checkpoint import (
-    TrainProgress, config_hash, load_checkpoint, read_meta, resolve_resume, save_checkpoint,
+    EpochSampler, TrainProgress, config_hash, load_checkpoint, micro_batch_stream, resolve_resume,
+    save_checkpoint,
 )
 from .optim import OptimConfig, build_optimizer, build_scheduler
 from .strategy import COUNT_SUFFIX, SCALAR_PREFIX, SUM_SUFFIX, DrafterStrategy, StepOutput
-from .tracking import TRACKERS, accelerate_log_with, log0, make_tracker
+from .tracking import TRACKERS, NullTracker, accelerate_log_with, log0, make_tracker
 
 MIXED_PRECISION = ("no", "bf16", "fp16", "auto")
 LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -83,27 +83,6 @@ class TrainerConfig:
             raise ValueError(f"logger={self.logger!r}; expected one of {TRACKERS}")
 
 
-class EpochSampler(Sampler[int]):
-    """One seeded permutation of range(n) per epoch, optionally starting at position `start`.
-
-    Not a RandomSampler on purpose: accelerate leaves it alone (no seed synchronisation, no
-    replacement by its own sampler); its `set_epoch` is called by the prepared DataLoader.
-    """
-
-    def __init__(self, n: int, seed: int):
-        self.n, self.seed, self.epoch, self.start = n, seed, 0, 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __len__(self) -> int:
-        return self.n - self.start
-
-    def __iter__(self) -> Iterator[int]:
-        rng = torch.Generator().manual_seed(self.seed + self.epoch)
-        yield from torch.randperm(self.n, generator=rng)[self.start:].tolist()
-
-
 def resolve_mixed_precision(mode: str) -> str:
     if mode != "auto":
         return mode
@@ -118,7 +97,8 @@ def build_accelerator(cfg: TrainerConfig) -> Accelerator:
     return Accelerator(
         mixed_precision=resolve_mixed_precision(cfg.mixed_precision),
         # Each optimizer step draws exactly grad_accum micro-batches, across epoch ends.
-        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=cfg.grad_accum, sync_with_dataloader=False),
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=cfg.grad_accum, sync_with_dataloader=False),
         step_scheduler_with_optimizer=False,  # one scheduler step per update, not one per rank
         rng_types=[],  # data order comes from EpochSampler; see module docstring
         log_with=accelerate_log_with(cfg.logger),
@@ -240,7 +220,8 @@ class MetricWindow:
             if name + COUNT_SUFFIX in out:
                 out[name] = out.pop(key) / max(out.pop(name + COUNT_SUFFIX), 1.0)
         elapsed = max(time.perf_counter() - self.start, 1e-9)
-        out.update(tokens_per_s=self.tokens / elapsed, grad_norm=self.grad_norm_sum / max(self.steps, 1), lr=self.lr)
+        grad_norm = self.grad_norm_sum / max(self.steps, 1)
+        out.update(tokens_per_s=self.tokens / elapsed, grad_norm=grad_norm, lr=self.lr)
         return out
 
 
@@ -259,18 +240,6 @@ class _Run:
     batches_per_rank: int  # micro-batches per epoch on each rank
     cfg_hash: str
     input_dtype: torch.dtype | None
-
-
-def _micro_batches(loader, sampler: EpochSampler, progress: TrainProgress, unit: int) -> Iterator[Any]:
-    """Endless micro-batches across epochs, resuming at `progress`; `unit` = samples per micro-batch
-    over all ranks (micro_batch_size x world), so skipping k per-rank batches skips k x unit samples."""
-    while True:
-        sampler.start = progress.batch_in_epoch * unit
-        loader.set_epoch(progress.epoch)
-        for batch in loader:
-            progress.batch_in_epoch += 1
-            yield batch
-        progress.epoch, progress.batch_in_epoch = progress.epoch + 1, 0
 
 
 def _total_steps(cfg: TrainerConfig, batches_per_rank: int) -> int:
@@ -301,8 +270,9 @@ def _prepare(strategy: DrafterStrategy, dataset: Dataset, collate_fn: Callable, 
     strategy.teacher = prepare_teacher(accelerator, getattr(strategy, "teacher", None))
     progress = TrainProgress()
     accelerator.register_for_checkpointing(progress, strategy)
-    return _Run(accelerator, cfg, model, optimizer, scheduler, _micro_batches(loader, sampler, progress, unit),
-                progress, total, batches_per_rank, config_hash(dict(run_config)), _input_dtype(accelerator))
+    stream = micro_batch_stream(loader, sampler, progress, unit)
+    return _Run(accelerator, cfg, model, optimizer, scheduler, stream, progress, total, batches_per_rank,
+                config_hash(dict(run_config)), _input_dtype(accelerator))
 
 
 def _maybe_resume(run: _Run) -> None:
@@ -330,8 +300,8 @@ def _train_step(run: _Run, strategy: DrafterStrategy, window: MetricWindow) -> N
     """One optimizer update over `grad_accum` micro-batches."""
     acc, progress = run.accelerator, run.progress
     micro = _draw(run)
-    local = torch.tensor([[float(strategy.num_loss_items(b)), float(strategy.num_tokens(b))] for b, _ in micro],
-                         dtype=torch.float64, device=acc.device)
+    counts = [[float(strategy.num_loss_items(b)), float(strategy.num_tokens(b))] for b, _ in micro]
+    local = torch.tensor(counts, dtype=torch.float64, device=acc.device)  # [grad_accum, 2]
     n_items, n_tokens = acc.reduce(local.sum(0), "sum").tolist()  # global over micro-batches and ranks
     scale = acc.gradient_accumulation_steps * acc.num_processes / max(n_items, 1.0)
     for (batch, epoch), n_local in zip(micro, local[:, 0].tolist()):
@@ -355,34 +325,18 @@ def _train_step(run: _Run, strategy: DrafterStrategy, window: MetricWindow) -> N
 def _log_metrics(run: _Run, window: MetricWindow) -> dict[str, float]:
     stats = window.reduce(run.accelerator)
     epoch = run.progress.epoch + run.progress.batch_in_epoch / run.batches_per_rank
-    stats.update(epoch=epoch, tokens_seen=float(run.progress.tokens), peak_mem_gib=peak_memory_gib(run.accelerator.device))
+    stats.update(epoch=epoch, tokens_seen=float(run.progress.tokens),
+                 peak_mem_gib=peak_memory_gib(run.accelerator.device))  # this rank's peak
     return {f"train/{k}": v for k, v in stats.items()}
 
 
-def _save(run: _Run) -> None:
-    save_checkpoint(run.accelerator, run.model, run.cfg.output_dir, run.progress, run.cfg_hash, run.cfg.keep_last)
-
-
-def fit(strategy: DrafterStrategy, train_dataset: Dataset, collate_fn: Callable, cfg: TrainerConfig,
-        run_config: Mapping[str, Any] | None = None) -> dict[str, float]:
-    """Train `strategy.module` for `cfg.max_steps` (or `cfg.epochs`) optimizer steps.
-
-    `run_config` (default: `asdict(cfg)`) is what the tracker records and the checkpoint hash covers;
-    pass the whole resolved run config. Returns the metrics of the last logging window plus `step`.
-    After return `strategy.module` is the unwrapped drafter (under ZeRO-3 its parameters stay
-    partitioned: read the final checkpoint with `checkpoint.read_model_state` instead).
-    """
-    run_config = run_config if run_config is not None else asdict(cfg)
-    teacher = getattr(strategy, "teacher", None)
-    run = _prepare(strategy, train_dataset, collate_fn, cfg, run_config)
-    _maybe_resume(run)
-    tracker = make_tracker(cfg.logger, run.accelerator, project=cfg.project, run_name=cfg.run_name,
-                           config=run_config, log_dir=Path(cfg.output_dir))
-    metrics: dict[str, float] = {}
+def _loop(run: _Run, strategy: DrafterStrategy, tracker) -> dict[str, float]:
+    """Steps until `total_steps`, logging every `log_every` and saving every `save_every` and at the end."""
+    cfg, metrics = run.cfg, {}
+    window = MetricWindow(run.accelerator.device)
     bar = tqdm(total=run.total_steps, initial=run.progress.step, desc="train",
                disable=not run.accelerator.is_main_process)
-    try:
-        window = MetricWindow(run.accelerator.device)
+    with bar:
         while run.progress.step < run.total_steps:
             strategy.module.train()
             _train_step(run, strategy, window)
@@ -394,9 +348,31 @@ def fit(strategy: DrafterStrategy, train_dataset: Dataset, collate_fn: Callable,
                 bar.set_postfix(loss=f"{metrics['train/loss']:.4f}")
                 window = MetricWindow(run.accelerator.device)
             if (cfg.save_every and step % cfg.save_every == 0) or last:
-                _save(run)
+                save_checkpoint(run.accelerator, run.model, cfg.output_dir, run.progress, run.cfg_hash,
+                                cfg.keep_last)
+    return metrics
+
+
+def fit(strategy: DrafterStrategy, train_dataset: Dataset, collate_fn: Callable, cfg: TrainerConfig,
+        run_config: Mapping[str, Any] | None = None) -> dict[str, float]:
+    """Train `strategy.module` for `cfg.max_steps` (or `cfg.epochs`) optimizer steps.
+
+    `run_config` (default: `asdict(cfg)`) is what the tracker records and the checkpoint hash covers;
+    pass the whole resolved run config (secret-looking keys are redacted before logging). Returns the
+    metrics of the last logging window plus `step`. After return `strategy.module` is the unwrapped
+    drafter again (under ZeRO-3 its parameters stay partitioned: read the final checkpoint with
+    `checkpoint.read_model_state`) and `strategy.teacher` the original teacher.
+    """
+    run_config = run_config if run_config is not None else asdict(cfg)
+    teacher = getattr(strategy, "teacher", None)
+    run = _prepare(strategy, train_dataset, collate_fn, cfg, run_config)
+    tracker = NullTracker()
+    try:
+        _maybe_resume(run)
+        tracker = make_tracker(cfg.logger, run.accelerator, project=cfg.project, run_name=cfg.run_name,
+                               config=run_config, log_dir=Path(cfg.output_dir))
+        metrics = _loop(run, strategy, tracker)
     finally:
-        bar.close()
         tracker.finish()
         strategy.module = run.accelerator.unwrap_model(run.model)
         strategy.teacher = teacher

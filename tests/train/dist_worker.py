@@ -62,7 +62,8 @@ class TinyStrategy:
         self.losses.append(loss.item())
         self.calls += 1
         self.seen = {"teacher": type(self.teacher).__name__, "input_dtype": str(batch["x"].dtype)}
-        return StepOutput(loss, {"acc/sum": hits, "acc/count": mask.sum(), "scalar/data_epoch": torch.tensor(epoch)})
+        metrics = {"acc/sum": hits, "acc/count": mask.sum(), "scalar/data_epoch": torch.tensor(epoch)}
+        return StepOutput(loss, metrics)
 
     def state_dict(self):
         return {"calls": self.calls}
@@ -75,7 +76,8 @@ def make_dataset(n: int = 24, seed: int = 1) -> list[dict[str, torch.Tensor]]:
     """n rows of x [SEQ, DIM] with a mask of random length (so micro-batches hold unequal counts)."""
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(1, SEQ + 1, (n,), generator=g)
-    return [{"x": torch.randn(SEQ, DIM, generator=g), "mask": (torch.arange(SEQ) < int(k)).float()} for k in lengths]
+    return [{"x": torch.randn(SEQ, DIM, generator=g), "mask": (torch.arange(SEQ) < int(k)).float()}
+            for k in lengths]
 
 
 def collate(rows):
@@ -114,7 +116,8 @@ def main(out: Path, expected_type: str, mixed_precision: str) -> None:
         "losses_full": full.losses,
         "losses_crashed": crashed.losses,
         "losses_resumed": resumed.losses,
-        "resume_matches": full.losses[start:] == resumed.losses and full.losses[:start] == crashed.losses[:start],
+        "resume_matches": full.losses[start:] == resumed.losses
+        and full.losses[:start] == crashed.losses[:start],
         "params_equal": sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a),
         "checkpoints": sorted(p.name for p in (out / "resume").iterdir()),
         **resumed.seen,

@@ -57,10 +57,12 @@ def free_port() -> int:
 def launch(config: str, out: Path, expected_type: str, precision: str, extra_env: dict) -> list[dict]:
     env = {**os.environ, **extra_env, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
     env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
-    cmd = [str(ACCELERATE), "launch", "--config_file", str(REPO / "configs" / "accelerate" / f"{config}.yaml"),
+    config_file = REPO / "configs" / "accelerate" / f"{config}.yaml"
+    cmd = [str(ACCELERATE), "launch", "--config_file", str(config_file),
            "--num_processes", "2", "--main_process_port", str(free_port()),
            str(WORKER), str(out), expected_type, precision]
-    proc = subprocess.run(cmd, cwd=out.parent, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    proc = subprocess.run(cmd, cwd=out.parent, env=env, capture_output=True, text=True,
+                          timeout=LAUNCH_TIMEOUT_S)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return [json.loads((out / f"result_rank{rank}.json").read_text()) for rank in range(2)]
 
@@ -81,7 +83,8 @@ def test_launch_resume_and_equivalence(config, tmp_path):
 
     if precision == "no":  # one process with the same effective batch takes the same steps
         single = tiny.TinyStrategy()
-        fit(single, tiny.make_dataset(), tiny.collate, tiny.tiny_config(tmp_path / "single", micro_batch_size=4))
+        cfg = tiny.tiny_config(tmp_path / "single", micro_batch_size=4)
+        fit(single, tiny.make_dataset(), tiny.collate, cfg)
         launched = read_model_state(find_latest(out / "equiv"))
         for key, value in single.module.state_dict().items():
             torch.testing.assert_close(launched[key], value, atol=1e-5, rtol=0)

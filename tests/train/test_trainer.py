@@ -14,10 +14,12 @@ from specblock.train import checkpoint as ckpt
 from specblock.train.optim import OptimConfig, build_optimizer, build_scheduler, lr_factor
 from specblock.train.strategy import DrafterStrategy
 from specblock.train.tracking import NullTracker, is_main, log0, make_tracker, redact_secrets
-from specblock.train.trainer import EpochSampler, TrainerConfig, fit
+from specblock.train.checkpoint import EpochSampler
+from specblock.train.trainer import TrainerConfig, fit
 
 # The tiny strategy lives next to the distributed worker, which needs it too (no tests package).
-_spec = importlib.util.spec_from_file_location("specblock_tests_dist_worker", Path(__file__).with_name("dist_worker.py"))
+_spec = importlib.util.spec_from_file_location("specblock_tests_dist_worker",
+                                               Path(__file__).with_name("dist_worker.py"))
 tiny = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(tiny)
 
@@ -71,14 +73,18 @@ def test_weight_decay_only_on_matrices():
     assert decays == {(3, 3): 0.1, (3,): 0.0}
 
 
-@pytest.mark.parametrize("bad", [dict(schedule="step"), dict(betas=(0.9, 1.0)), dict(min_lr_ratio=2.0), dict(lr=0.0)])
+@pytest.mark.parametrize(
+    "bad", [dict(schedule="step"), dict(betas=(0.9, 1.0)), dict(min_lr_ratio=2.0), dict(lr=0.0)]
+)
 def test_optim_config_rejects(bad):
     with pytest.raises(ValueError):
         OptimConfig(**bad)
 
 
-@pytest.mark.parametrize("bad", [dict(), dict(max_steps=2, epochs=1.0), dict(max_steps=2, mixed_precision="fp8"),
-                                 dict(max_steps=2, logger="tensorboard"), dict(max_steps=2, grad_accum=0)])
+@pytest.mark.parametrize("bad", [
+    dict(), dict(max_steps=2, epochs=1.0), dict(max_steps=2, mixed_precision="fp8"),
+    dict(max_steps=2, logger="tensorboard"), dict(max_steps=2, grad_accum=0),
+])
 def test_trainer_config_rejects(bad, tmp_path):
     with pytest.raises(ValueError):
         TrainerConfig(output_dir=str(tmp_path), **bad)
@@ -108,7 +114,7 @@ def test_grad_accum_equivalence(tmp_path):
     finals, losses = [], []
     for mb, ga in [(4, 1), (2, 2), (1, 4)]:
         strategy = tiny.TinyStrategy()
-        cfg = tiny.tiny_config(tmp_path / f"mb{mb}", micro_batch_size=mb, grad_accum=ga, max_steps=6, save_every=0)
+        cfg = tiny.tiny_config(tmp_path / f"mb{mb}", micro_batch_size=mb, grad_accum=ga, save_every=0)
         fit(strategy, tiny.make_dataset(), tiny.collate, cfg)
         finals.append(params(strategy.module))
         losses.append(torch.tensor(strategy.losses).view(6, ga).sum(1))  # loss sum per optimizer step
@@ -184,11 +190,41 @@ def test_exported_weights_are_unwrapped_and_final(tmp_path):
     assert s.teacher.weight.requires_grad is False and not s.teacher.training
 
 
+def test_epochs_sets_the_step_count(tmp_path):
+    """24 rows / (micro-batch 2 x accumulation 2) = 6 steps per epoch."""
+    cfg = tiny.tiny_config(tmp_path, max_steps=None, epochs=1.5, save_every=0)
+    metrics = fit(tiny.TinyStrategy(), tiny.make_dataset(), tiny.collate, cfg)
+    assert metrics["step"] == 9 and metrics["train/epoch"] == 1.5
+
+
+def test_export_state_dict_has_unwrapped_keys():
+    from accelerate import Accelerator
+
+    accelerator = Accelerator()
+    module = tiny.TinyStrategy().module
+    prepared = accelerator.prepare(module)
+    state = ckpt.export_state_dict(accelerator, prepared)
+    assert set(state) == set(module.state_dict())
+
+
+def test_strategy_metric_names_may_not_shadow_trainer_metrics(tmp_path):
+    class Shadowing(tiny.TinyStrategy):
+        def forward_loss(self, batch, step, epoch):
+            out = super().forward_loss(batch, step, epoch)
+            out.metrics["scalar/lr"] = torch.tensor(1.0)
+            return out
+
+    with pytest.raises(ValueError, match="lr"):
+        fit(Shadowing(), tiny.make_dataset(), tiny.collate, tiny.tiny_config(tmp_path, max_steps=1))
+
+
 def test_strategy_metrics_are_global_ratios(tmp_path):
     s = tiny.TinyStrategy()
     metrics = fit(s, tiny.make_dataset(), tiny.collate, tiny.tiny_config(tmp_path, max_steps=2, log_every=2))
-    assert set(metrics) >= {"train/loss", "train/acc", "train/lr", "train/grad_norm", "train/tokens_per_s",
-                            "train/peak_mem_gib", "train/epoch", "train/tokens_seen", "train/data_epoch", "step"}
+    assert set(metrics) >= {
+        "train/loss", "train/acc", "train/lr", "train/grad_norm", "train/tokens_per_s", "train/peak_mem_gib",
+        "train/epoch", "train/tokens_seen", "train/data_epoch", "step",
+    }
     assert metrics["train/tokens_seen"] == 2 * 2 * 2 * tiny.SEQ  # steps x accumulation x micro-batch x length
     assert 0.0 <= metrics["train/acc"] <= 1.0 and metrics["train/peak_mem_gib"] > 0
 
@@ -198,8 +234,8 @@ def test_strategy_metrics_are_global_ratios(tmp_path):
 def test_logger_none_never_imports_wandb(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` now raises ImportError
     assert isinstance(make_tracker("none"), NullTracker)
-    metrics = fit(tiny.TinyStrategy(), tiny.make_dataset(), tiny.collate, tiny.tiny_config(tmp_path, max_steps=2))
-    assert metrics["step"] == 2
+    cfg = tiny.tiny_config(tmp_path, max_steps=2)
+    assert fit(tiny.TinyStrategy(), tiny.make_dataset(), tiny.collate, cfg)["step"] == 2
 
 
 def test_wandb_offline_run_has_logged_keys(tmp_path, monkeypatch):
@@ -221,7 +257,8 @@ def test_wandb_offline_run_has_logged_keys(tmp_path, monkeypatch):
 
 
 def test_redact_secrets():
-    cfg = {"wandb_api_key": "x", "a": {"HF_TOKEN": "y", "pad_token": "<pad>", "max_tokens": 3}, "l": [{"password": 1}]}
+    cfg = {"wandb_api_key": "x", "l": [{"password": 1}],
+           "a": {"HF_TOKEN": "y", "pad_token": "<pad>", "max_tokens": 3}}
     assert redact_secrets(cfg) == {"wandb_api_key": "<redacted>", "l": [{"password": "<redacted>"}],
                                    "a": {"HF_TOKEN": "<redacted>", "pad_token": "<pad>", "max_tokens": 3}}
 

@@ -1,0 +1,111 @@
+"""Training throughput of each drafter on a real target: tokens/s, peak memory, and the drafter's
+forward+backward+optimizer time against the target's forward on the same batch (aim: at most 0.5x).
+
+    python scripts/bench_train.py                                  # SmolLM2-135M, B=4, T=256, CPU
+    python scripts/bench_train.py --device cuda --dtype bfloat16 --batch 8 --length 1024
+
+Online features: the target forward runs inside the step. Offline: the features come from a cache, so
+a step is the drafter's work plus the frozen-head logits. Each configuration runs in its own process so
+that its peak memory is its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+
+import torch
+
+from specblock.data.target import DEFAULT_TARGET_DIR, TargetConfig, default_feature_layers, ensure_embedded_target
+from specblock.data.target import load_target
+from specblock.train.losses import LossConfig
+from specblock.train.modeling import build_drafter, build_vocab_map
+from specblock.train.optim import OptimConfig, build_optimizer
+from specblock.train.config import DrafterConfig
+from specblock.train.strategies import STRATEGIES, StrategyConfig
+
+
+def timed(fn, repeats: int) -> float:
+    fn()  # warm-up
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - start) / repeats
+
+
+def measure(args) -> dict:
+    ensure_embedded_target(args.target)
+    target, _ = load_target(TargetConfig(name_or_path=args.target, dtype=args.dtype, device=args.device))
+    torch.manual_seed(0)
+    vocab = target.config.vocab_size
+    ids = torch.randint(0, vocab, (args.batch, args.length), device=args.device)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+    layers = default_feature_layers(target.config.num_hidden_layers)
+    counts = torch.bincount(ids.flatten().cpu(), minlength=vocab) + torch.arange(vocab).flip(0) / vocab
+    d2t = build_vocab_map(counts, args.draft_vocab)[0]
+    cfg = DrafterConfig(name=args.drafter, draft_vocab_size=args.draft_vocab, ttt_length=args.slots, block_size=args.slots)
+    module = build_drafter(args.drafter, cfg.specific(len(layers)), target.config, target.get_input_embeddings().weight,
+                           target.get_output_embeddings().weight, d2t).to(args.device)  # fmt: skip
+    head = target.get_output_embeddings().weight.detach()
+    strategy = STRATEGIES[args.drafter](module, target, layers, LossConfig(), StrategyConfig(num_ttt_blocks=args.blocks), head)
+    optimizer = build_optimizer(module, OptimConfig(lr=1e-4))
+    with torch.no_grad():
+        out = target(**{k: batch[k] for k in ("input_ids", "attention_mask")}, output_hidden_states=True)
+        cached = {**batch, "features": torch.cat([out.hidden_states[i] for i in layers], -1),
+                  "last_hidden": out.hidden_states[-1]}  # fmt: skip
+
+    def step(b):
+        optimizer.zero_grad(set_to_none=True)
+        strategy.forward_loss(b, step=10**6, epoch=0).loss.backward()  # late step: every block on
+        optimizer.step()
+
+    def target_forward():
+        with torch.no_grad():
+            strategy.target_outputs(batch)
+
+    t_target = timed(target_forward, args.repeats)
+    t_offline = timed(lambda: step(cached), args.repeats)
+    t_online = timed(lambda: step(batch), args.repeats)
+    teacher = strategy.target_outputs(batch)
+    strategy.target_outputs = lambda b: teacher  # the drafter's own work alone: fwd + bwd + AdamW
+    t_drafter = timed(lambda: step(batch), args.repeats)
+    tokens = args.batch * args.length
+    peak = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    return {"drafter": args.drafter, "target_fwd_s": t_target, "drafter_s": t_drafter, "online_tok_s": tokens / t_online,
+            "offline_tok_s": tokens / t_offline, "share": t_drafter / t_target, "peak_gib": peak}  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default=DEFAULT_TARGET_DIR)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--drafters", nargs="+", default=["specblock", "eagle3"])
+    ap.add_argument("--drafter", help=argparse.SUPPRESS)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--length", type=int, default=256)
+    ap.add_argument("--slots", type=int, default=4, help="SpecBlock K / EAGLE-3 TTT steps")
+    ap.add_argument("--blocks", type=int, default=2, help="SpecBlock multi-block TTT blocks")
+    ap.add_argument("--draft-vocab", type=int, default=8192)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    if args.drafter:  # one configuration, in a child process
+        print(json.dumps(measure(args)))
+        return
+    print(f"target {args.target} ({args.dtype}, {args.device}), batch {args.batch} x {args.length} tokens, "
+          f"K = {args.slots}, draft vocab {args.draft_vocab}, torch threads {torch.get_num_threads()}\n")
+    print("| drafter | target fwd s | drafter fwd+bwd+AdamW s | drafter / target fwd | online tok/s | offline tok/s | peak GiB |")
+    print("|---|---|---|---|---|---|---|")
+    for name in args.drafters:
+        child = [sys.executable, __file__, *sys.argv[1:], "--drafter", name]
+        r = json.loads(subprocess.run(child, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])
+        print(f"| {name} | {r['target_fwd_s']:.2f} | {r['drafter_s']:.2f} | {r['share']:.2f} | "
+              f"{r['online_tok_s']:.0f} | {r['offline_tok_s']:.0f} | {r['peak_gib']:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
