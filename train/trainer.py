@@ -218,7 +218,8 @@ class MetricWindow:
         for key in [k for k in out if k.endswith(SUM_SUFFIX)]:
             name = key[: -len(SUM_SUFFIX)]
             if name + COUNT_SUFFIX in out:
-                out[name] = out.pop(key) / max(out.pop(name + COUNT_SUFFIX), 1.0)
+                total, count = out.pop(key), out.pop(name + COUNT_SUFFIX)
+                out[name] = total / count if count else math.nan  # nothing counted: no ratio
         elapsed = max(time.perf_counter() - self.start, 1e-9)
         grad_norm = self.grad_norm_sum / max(self.steps, 1)
         out.update(tokens_per_s=self.tokens / elapsed, grad_norm=grad_norm, lr=self.lr)
