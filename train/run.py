@@ -70,6 +70,7 @@ def train(cfg: TrainConfig, resolved: dict | None = None) -> dict[str, float]:
     if is_main():
         OmegaConf.save(OmegaConf.create(resolved), Path(cfg.output_dir) / "config.yaml")
     metrics = fit(strategy, rows, collate_fn, cfg.trainer, run_config=resolved)
+    log0("final metrics (last logging window):\n" + metrics_table(metrics))
     if cfg.export and is_main():
         # the final checkpoint, not strategy.module: under ZeRO-3 the module's parameters stay partitioned
         state = read_model_state(resolve_resume("latest", cfg.trainer.output_dir))
@@ -82,6 +83,12 @@ def train(cfg: TrainConfig, resolved: dict | None = None) -> dict[str, float]:
                               feature_layers=layers, card=card)  # fmt: skip
         log0(f"exported drafter: {path}")
     return metrics
+
+
+def metrics_table(metrics: dict[str, float]) -> str:
+    """A Markdown table of the logged metrics, per-slot ones first."""
+    rows = sorted(metrics.items(), key=lambda kv: ("top1" not in kv[0] and "accept" not in kv[0], kv[0]))
+    return "\n".join(["| metric | value |", "|---|---|"] + [f"| {k} | {v:.4g} |" for k, v in rows])
 
 
 def export_from_checkpoint(run_dir: Path, step: str = "latest", out: str | None = None) -> Path:
