@@ -60,7 +60,9 @@ def measure(args) -> dict:
 
     def step(b):
         optimizer.zero_grad(set_to_none=True)
-        strategy.forward_loss(b, step=10**6, epoch=0).loss.backward()  # late step: every block on
+        with torch.autocast(args.device, dtype=torch.bfloat16, enabled=args.autocast):
+            loss = strategy.forward_loss(b, step=10**6, epoch=0).loss  # late step: every block on
+        loss.backward()
         optimizer.step()
 
     def target_forward():
@@ -92,11 +94,13 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=2, help="SpecBlock multi-block TTT blocks")
     ap.add_argument("--draft-vocab", type=int, default=8192)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--autocast", action="store_true", help="train the drafter under bf16 autocast")
     args = ap.parse_args()
     if args.drafter:  # one configuration, in a child process
         print(json.dumps(measure(args)))
         return
-    print(f"target {args.target} ({args.dtype}, {args.device}), batch {args.batch} x {args.length} tokens, "
+    print(f"target {args.target} ({args.dtype}, {args.device}), drafter {'bf16 autocast' if args.autocast else 'fp32'}, "
+          f"batch {args.batch} x {args.length} tokens, "
           f"K = {args.slots}, draft vocab {args.draft_vocab}, torch threads {torch.get_num_threads()}\n")
     print("| drafter | target fwd s | drafter fwd+bwd+AdamW s | drafter / target fwd | online tok/s | offline tok/s | peak GiB |")
     print("|---|---|---|---|---|---|---|")
