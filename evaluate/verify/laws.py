@@ -26,7 +26,7 @@ LawAt = Callable[[Prefix], torch.Tensor]
 
 # Vocabulary-wide work (q - lam p, its positive part and their sum) runs in the probabilities' own
 # dtype, at least float32; every scalar of the acceptance arithmetic (ratios, running products, masses
-# once summed, h_i, coins) is float64, and so is every law that is sampled. With float64 inputs (the
+# once summed, h_i, coins) is float64, and so is the cumulative sum a token is sampled from. With float64 inputs (the
 # exact tests) everything is float64. With float32 inputs the extra rounding (one subtraction, and a
 # cascade sum of non-negative terms) is of the size of the rounding the inputs already carry, while a
 # float64 copy of each row would cost more than the arithmetic it serves: 19 us instead of 48 us per
@@ -86,9 +86,10 @@ class Rows:
         return self._mass[key]
 
     def residual(self, y: Prefix, lam: float) -> torch.Tensor:
-        """(q - lam p)_+ as a new float64 [V] tensor (unnormalised; the samplers normalise)."""
-        q = self.target_at(y).to(ACC_DTYPE, copy=True)
-        return q.add_(self.draft_at(y), alpha=-lam).clamp_(min=0) if lam else q
+        """(q - lam p)_+ as a new [V] tensor in the working dtype (unnormalised; the sampler normalises
+        with a float64 cumulative sum)."""
+        q, p = working(self.target_at(y)), working(self.draft_at(y))
+        return torch.sub(q, p.to(q.dtype), alpha=lam).clamp_(min=0) if lam else q.clone()
 
 
 def draft_rows(target_probs: torch.Tensor, draft_probs: torch.Tensor, tokens: list[list[int]]) -> Rows:

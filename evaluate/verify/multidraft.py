@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from .base import VerifyOutput, check_inputs, register_verifier
-from .laws import Prefix, Rows, draft_rows
+from .laws import Prefix, Rows, draft_rows, working
 from .sampling import ACC_DTYPE, Sampler, first_success, make_sampler
 
 # A node rule: (rows, the node's prefix y, candidate tokens in draft order, sampler) ->
@@ -71,11 +71,11 @@ def kseq_rule(rows: Rows, y: Prefix, candidates: list[int], s: Sampler):
     if j < k:
         return j, None
     none = (1.0 - beta) ** k  # probability that every candidate was rejected
-    q = rows.target_at(y).to(ACC_DTYPE)
+    q = working(rows.target_at(y))  # laws.py: vocabulary-wide work in the input's dtype
     if beta <= 0.0 or none <= 0.0:
         return None, q
-    accepted = torch.minimum(rows.draft_at(y).to(ACC_DTYPE), q / rho) * ((1.0 - none) / beta)  # m(x)
-    return None, (q - accepted).clamp_(min=0)  # p_res = (q - m) / (1 - beta)^k, normalised by the sampler
+    accepted = torch.minimum(working(rows.draft_at(y)).to(q.dtype), q / rho).mul_((1.0 - none) / beta)  # m(x)
+    return None, torch.sub(q, accepted).clamp_(min=0)  # p_res = (q - m) / (1 - beta)^k, normalised by the sampler
 
 
 def rrs_rule(rows: Rows, y: Prefix, candidates: list[int], s: Sampler):
