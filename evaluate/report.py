@@ -1,0 +1,168 @@
+"""Evaluation reports: JSON-lines records, Markdown tables and PNG plots, all written atomically.
+
+A record is one (dataset, method) cell of one configuration: the configuration's fields (verifier, K, L,
+temperature, tree budget, ...) at top level, plus `dataset`, `method`, the raw `counts` and the derived
+`metrics`. Records keep their counts so that any later pooling sums counts before dividing (habit 13).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Iterable, Mapping
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+from specblock.data.io import atomic_path
+from specblock.evaluate.metrics import OVERALL, Accumulator, Counts, acceptance_at, block_efficiency, derived
+
+RESERVED = ("dataset", "method", "counts", "metrics")  # record keys a config field may not shadow
+MISSING = "–"  # a cell with no data, or a ratio with a zero denominator
+
+
+def records(acc: Accumulator, config: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """One record per (dataset, method) and per method's OVERALL row; metrics include `speedup`."""
+    clash = [k for k in config if k in RESERVED]
+    if clash:
+        raise ValueError(f"config fields {clash} clash with record keys {RESERVED}")
+    out = []
+    for dataset, method, c in acc.cells():
+        metrics = {**derived(c), "speedup": acc.speedup(dataset, method)}
+        out.append({**config, "dataset": dataset, "method": method, "counts": c.to_dict(), "metrics": metrics})
+    return out
+
+
+def write_jsonl(path: str | os.PathLike, rows: Iterable[Mapping[str, Any]]) -> None:
+    """One JSON object per line; undefined ratios are null."""
+    with atomic_path(path) as tmp:
+        tmp.write_text("".join(json.dumps(r, sort_keys=True, allow_nan=False) + "\n" for r in rows))
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def select(rows: Iterable[Mapping[str, Any]], **where: Any) -> list[Mapping[str, Any]]:
+    """The records whose fields equal every `where` item, e.g. select(rows, L=4, dataset="overall")."""
+    return [r for r in rows if all(r.get(k) == v for k, v in where.items())]
+
+
+def _grid(rows: Iterable[Mapping[str, Any]]) -> tuple[list[str], list[str], dict[tuple[str, str], Mapping]]:
+    """Row names (datasets in first-seen order, OVERALL last), column names (methods) and the cells."""
+    cells: dict[tuple[str, str], Mapping] = {}
+    for r in rows:
+        key = (r["dataset"], r["method"])
+        if key in cells:
+            raise ValueError(f"two records for {key}: a table shows one configuration; filter with select()")
+        cells[key] = r
+    datasets = [d for d in dict.fromkeys(d for d, _ in cells) if d != OVERALL]
+    if any(d == OVERALL for d, _ in cells):
+        datasets.append(OVERALL)
+    return datasets, list(dict.fromkeys(m for _, m in cells)), cells
+
+
+def _fmt(x: float | None, digits: int = 2) -> str:
+    return MISSING if x is None else f"{x:.{digits}f}"
+
+
+def _table(rows: Iterable[Mapping[str, Any]], cell: Any) -> str:
+    datasets, methods, cells = _grid(rows)
+    lines = ["| dataset | " + " | ".join(methods) + " |", "|---" * (len(methods) + 1) + "|"]
+    for d in datasets:
+        values = [cell(cells[(d, m)]["metrics"]) if (d, m) in cells else MISSING for m in methods]
+        lines.append(f"| {d} | " + " | ".join(values) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def block_efficiency_table(rows: Iterable[Mapping[str, Any]]) -> str:
+    """Datasets x methods; cell = block efficiency (tokens per target call) with tau in brackets."""
+    return _table(rows, lambda m: f"{_fmt(m['block_efficiency'])} ({_fmt(m['tau'])})")
+
+
+def speedup_table(rows: Iterable[Mapping[str, Any]]) -> str:
+    """Datasets x methods; cell = wall-clock tokens/s over autoregressive tokens/s on the same rows."""
+    return _table(rows, lambda m: MISSING if m["speedup"] is None else f"{m['speedup']:.2f}x")
+
+
+def markdown_report(rows: Iterable[Mapping[str, Any]]) -> str:
+    """Both tables under headings, for a README or a run's eval/ folder."""
+    rows = list(rows)
+    return (
+        "### Block efficiency (tokens per target call, bonus token counted; acceptance length tau)\n\n"
+        + block_efficiency_table(rows)
+        + "\n### Speedup over autoregressive (wall-clock tokens/s ratio)\n\n"
+        + speedup_table(rows)
+    )
+
+
+def write_markdown(path: str | os.PathLike, rows: Iterable[Mapping[str, Any]]) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(markdown_report(rows))
+
+
+def _save(fig: Figure, path: str | os.PathLike) -> None:
+    FigureCanvasAgg(fig)  # Agg canvas: no display, no pyplot global state
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=120)
+
+
+def _finish(ax: Any) -> None:
+    ax.grid(alpha=0.3)
+    if ax.get_lines():  # an empty legend warns
+        ax.legend()
+
+
+def _by_method(rows: Iterable[Mapping[str, Any]], dataset: str) -> dict[str, list[Mapping[str, Any]]]:
+    out: dict[str, list[Mapping[str, Any]]] = {}
+    for r in rows:
+        if r["dataset"] == dataset:
+            out.setdefault(r["method"], []).append(r)
+    return out
+
+
+def plot_block_efficiency(rows: Iterable[Mapping[str, Any]], x: str, path: str | os.PathLike,
+                          dataset: str = OVERALL) -> None:
+    """Block efficiency against the config field `x` ("K", "L", "temperature", ...), one line per
+    method, from the `dataset` rows. Each (method, x) must be one record: filter other axes with select()."""
+    fig = Figure(figsize=(5, 3.5))
+    ax = fig.add_subplot()
+    integer_x = True
+    for method, group in _by_method(rows, dataset).items():
+        xs = [r[x] for r in group]
+        if len(set(xs)) != len(xs):
+            raise ValueError(f"{method}: several records share a value of {x}; filter with select()")
+        pts = sorted((r[x], block_efficiency(Counts.from_dict(r["counts"]))) for r in group)
+        pts = [(a, b) for a, b in pts if b is not None]
+        ax.plot([a for a, _ in pts], [b for _, b in pts], marker="o", label=method)
+        integer_x = integer_x and all(isinstance(r[x], int) for r in group)
+    if integer_x:  # K and L are counts: no 2.5 ticks
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel(x)
+    ax.set_ylabel("block efficiency (tokens / target call)")
+    ax.set_title(f"Block efficiency vs {x} ({dataset})")
+    _finish(ax)
+    _save(fig, path)
+
+
+def plot_acceptance_at(rows: Iterable[Mapping[str, Any]], path: str | os.PathLike,
+                       dataset: str = OVERALL) -> None:
+    """Per-position acceptance (accepted at position i / drafts reaching position i), one line per method
+    from the `dataset` rows; methods with no draft (autoregressive) have no line."""
+    fig = Figure(figsize=(5, 3.5))
+    ax = fig.add_subplot()
+    for method, group in _by_method(rows, dataset).items():
+        if len(group) != 1:
+            raise ValueError(f"{method}: {len(group)} records for {dataset}; filter with select()")
+        rates = acceptance_at(Counts.from_dict(group[0]["counts"]))
+        if rates:
+            ax.plot(range(1, len(rates) + 1), rates, marker="o", label=method)
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance rate at position")
+    ax.set_ylim(0, 1.05)
+    ax.set_title(f"Per-position acceptance ({dataset})")
+    _finish(ax)
+    _save(fig, path)
