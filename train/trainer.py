@@ -367,6 +367,8 @@ def fit(strategy: DrafterStrategy, train_dataset: Dataset, collate_fn: Callable,
     run_config = run_config if run_config is not None else asdict(cfg)
     teacher = getattr(strategy, "teacher", None)
     run = _prepare(strategy, train_dataset, collate_fn, cfg, run_config)
+    log0(f"training on {run.accelerator.num_processes} process(es), {run.accelerator.distributed_type.value}, "
+         f"mixed precision {run.accelerator.mixed_precision}")
     tracker = NullTracker()
     try:
         _maybe_resume(run)
