@@ -17,7 +17,7 @@ from specblock.data.shards import TokenDataset
 from specblock.data.target import default_feature_layers, load_target
 
 from .batching import collate
-from .checkpoint import read_model_state, resolve_resume
+from .checkpoint import list_checkpoints, read_model_state, resolve_resume, step_dir
 from .config import TrainConfig
 from .export import export_drafter, rebuild_drafter
 from .modeling import build_drafter, build_vocab_map, count_tokens
@@ -66,6 +66,10 @@ def build(cfg: TrainConfig):
 def train(cfg: TrainConfig, resolved: dict | None = None) -> dict[str, float]:
     """Runs the whole stage; returns the final metrics (of the last logging window)."""
     resolved = resolved if resolved is not None else asdict(cfg)
+    earlier = list_checkpoints(cfg.trainer.output_dir)
+    if earlier and cfg.trainer.resume is None:  # a fresh run would mix its checkpoints with another run's
+        raise FileExistsError(f"{cfg.trainer.output_dir} already holds checkpoints ({earlier[-1].name}); continue "
+                              "with trainer.resume=latest, or pick another run_name / output_dir")
     strategy, rows, collate_fn, target_config, drafter_cfg, layers = build(cfg)
     if is_main():
         OmegaConf.save(OmegaConf.create(resolved), Path(cfg.output_dir) / "config.yaml")
@@ -73,7 +77,7 @@ def train(cfg: TrainConfig, resolved: dict | None = None) -> dict[str, float]:
     log0("final metrics (last logging window):\n" + metrics_table(metrics))
     if cfg.export and is_main():
         # the final checkpoint, not strategy.module: under ZeRO-3 the module's parameters stay partitioned
-        state = read_model_state(resolve_resume("latest", cfg.trainer.output_dir))
+        state = read_model_state(step_dir(cfg.trainer.output_dir, int(metrics["step"])))
         module = rebuild_drafter(cfg.drafter.name, drafter_cfg, target_config, state)
         card = {"data": f"{cfg.data.corpus.source} ({cfg.data.out_dir}, regenerated={cfg.data.regenerate.enabled})",
                 "steps": metrics.get("step"), "run": cfg.run_name, "metrics": metrics}  # fmt: skip

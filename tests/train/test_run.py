@@ -68,6 +68,8 @@ def test_train_export_reload_and_exact_resume(make_cfg, monkeypatch):
         args = (features[:, :-1], batch["input_ids"][:, 1:], batch["attention_mask"][:, 1:])
         assert torch.equal(drafter(*args).logits, strategy.module(*args).logits)  # export -> load: same logits
     reference = params(drafter)
+    with pytest.raises(FileExistsError, match="trainer.resume=latest"):  # a fresh run into a used folder
+        run_mod.train(make_cfg())
 
     # killed after step 4 (the checkpoint at step 3 survives), then resumed: bit-identical parameters
     killed = make_cfg(out="killed")
