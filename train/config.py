@@ -50,6 +50,7 @@ class TrainConfig:
     output_dir: str = "checkpoints/debug"
     features: str = "online"  # online: target forward in the step; offline: the data stage's feature cache
     export: bool = True  # write <output_dir>/drafter at the end
+    resume: str | None = None  # shorthand for trainer.resume: `resume=latest` or a step folder
     data: PrepareConfig = field(default_factory=PrepareConfig)
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     loss: LossConfig = field(default_factory=LossConfig)
@@ -57,6 +58,8 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(output_dir="checkpoints/debug", max_steps=10))
 
     def __post_init__(self):
+        if self.resume is not None:
+            self.trainer.resume = self.resume
         if self.features not in FEATURE_MODES:
             raise ValueError(f"features={self.features!r} is not one of {FEATURE_MODES}")
         if self.features == "offline" and not self.data.features.enabled:

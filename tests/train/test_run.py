@@ -92,6 +92,13 @@ def test_train_export_reload_and_exact_resume(make_cfg, monkeypatch):
     for k, v in params(again).items():
         assert torch.equal(v, reference[k]), k
 
+    # python -m specblock.train.export: re-export an earlier checkpoint of the run
+    from specblock.train.export import main as export_main
+
+    export_main(["--run", cfg.output_dir, "--step", "step_000003", "--out", cfg.output_dir + "/at3"])
+    at3, _ = load_drafter(cfg.output_dir + "/at3")
+    assert not torch.equal(at3.state_dict()["condition_proj.weight"], reference["condition_proj.weight"])
+
 
 @pytest.mark.parametrize("name,features", [("eagle3", "online"), ("specblock", "offline")])
 def test_baseline_and_offline_features_run_the_same_loop(make_cfg, name, features):
@@ -106,3 +113,5 @@ def test_every_experiment_composes_and_validates(experiment):
         cfg = compose("train", overrides=[f"experiment={experiment}"])
     config = OmegaConf.to_object(cfg)
     assert isinstance(config, TrainConfig) and config.trainer.output_dir == config.output_dir
+    with initialize_config_module("specblock.configs", version_base=None):
+        assert OmegaConf.to_object(compose("train", overrides=[f"experiment={experiment}", "resume=latest"])).trainer.resume == "latest"
