@@ -6,6 +6,7 @@ cheap and a killed run continues where it stopped (regeneration resumes row by r
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from .manifest import Manifest, ManifestMismatchError, chat_template_hash, check
 from .manifest import read_manifest, tokenizer_hash
 from .regenerate import fitting_prompts, regenerate
 from .shards import write_token_shards
-from .target import FeatureTarget, ensure_embedded_target, load_target
+from .target import FeatureTarget, ensure_embedded_target, load_target, load_tokenizer
 from .templates import TemplateMaskError, render_with_mask
 
 
@@ -73,9 +74,11 @@ def tokenize(conversations, tokenizer, max_length: int, policy: RowPolicy) -> li
 
 
 def prepare(cfg: PrepareConfig) -> PrepareResult:
+    """Runs the stage; the target model itself is loaded only for regeneration or feature capture."""
     out = Path(cfg.out_dir)
     ensure_embedded_target(cfg.target.name_or_path)
-    model, tokenizer = load_target(cfg.target)
+    tokenizer = load_tokenizer(cfg.target)
+    model = functools.cache(lambda: load_target(cfg.target)[0])
     tokens_dir, expected = out / "tokens", expected_manifest(cfg, tokenizer)
     if up_to_date(tokens_dir, expected, cfg.overwrite):
         manifest = read_manifest(tokens_dir)
@@ -86,7 +89,7 @@ def prepare(cfg: PrepareConfig) -> PrepareResult:
         drawn = len(conversations)
         if cfg.regenerate.enabled:
             conversations = fitting_prompts(tokenizer, conversations, cfg.regenerate, policy)
-            conversations = regenerate(model, tokenizer, conversations, out / "regenerated.jsonl", cfg.regenerate)
+            conversations = regenerate(model(), tokenizer, conversations, out / "regenerated.jsonl", cfg.regenerate)
         rows = tokenize(conversations, tokenizer, cfg.max_length, policy)
         print(f"corpus: {drawn} conversations drawn (limit {cfg.corpus.limit}), {len(rows)} rows kept; "
               f"bad rows in the source and after filtering: {policy.summary()}")
@@ -95,11 +98,13 @@ def prepare(cfg: PrepareConfig) -> PrepareResult:
     if cfg.features.enabled:
         from .shards import TokenDataset
 
-        target = FeatureTarget(model, cfg.target.feature_layers, target_id=cfg.target.target_id, revision=cfg.target.revision)
+        target = FeatureTarget(model(), cfg.target.feature_layers, target_id=cfg.target.target_id,
+                               revision=cfg.target.revision)
         rows = [{k: v.tolist() for k, v in row.items()} for row in TokenDataset(tokens_dir)]
         result.features_dir = capture_features(target, rows, out / "features", cfg.features, tokenizer=tokenizer,
                                                source=str(tokens_dir), tokens_manifest=manifest)  # fmt: skip
-    print(f"token shards: {tokens_dir} ({result.num_rows} rows, {result.num_tokens} tokens); manifest: {tokens_dir / 'manifest.json'}")
+    print(f"token shards: {tokens_dir} ({result.num_rows} rows, {result.num_tokens} tokens); "
+          f"manifest: {tokens_dir / 'manifest.json'}")
     if result.features_dir:
         print(f"target features: {result.features_dir}; manifest: {result.features_dir / 'manifest.json'}")
     return result

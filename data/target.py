@@ -107,9 +107,8 @@ def _load_kwargs(cfg: TargetConfig) -> dict:
     return kwargs
 
 
-def load_target(cfg: TargetConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Loads the causal LM and its tokenizer, frozen and in eval mode on cfg.device in cfg.dtype.
-    A GGUF is dequantized to dense weights (slow: convert it once with `convert_gguf`)."""
+def load_tokenizer(cfg: TargetConfig) -> PreTrainedTokenizerBase:
+    """The target's tokenizer alone (what a step that needs no forward pass reads)."""
     local = _looks_local(cfg.name_or_path)
     if local and not Path(cfg.name_or_path).expanduser().exists():
         default = cfg.name_or_path == DEFAULT_TARGET_DIR
@@ -117,8 +116,14 @@ def load_target(cfg: TargetConfig) -> tuple[PreTrainedModel, PreTrainedTokenizer
         raise FileNotFoundError(f"target {cfg.name_or_path!r} does not exist{hint}")
     if local and cfg.gguf_file is not None:
         check_gguf(Path(cfg.name_or_path).expanduser() / cfg.gguf_file)
+    return AutoTokenizer.from_pretrained(cfg.name_or_path, **_load_kwargs(cfg))
+
+
+def load_target(cfg: TargetConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Loads the causal LM and its tokenizer, frozen and in eval mode on cfg.device in cfg.dtype.
+    A GGUF is dequantized to dense weights (slow: convert it once with `convert_gguf`)."""
+    tokenizer = load_tokenizer(cfg)
     kwargs = _load_kwargs(cfg)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.name_or_path, **kwargs)
     if cfg.gguf_file is not None and hasattr(transformers, "GgufConfig"):
         # Newer transformers may keep GGUF weights packed (not trainable, not serialisable); ask for dense.
         kwargs["quantization_config"] = transformers.GgufConfig(dequantize=True)
