@@ -32,8 +32,19 @@ from tqdm.auto import tqdm
 
 from .errors import BadInputError, RowPolicy
 from .io import atomic_path, sha256_file
-from .manifest import (IDENTITY_FIELDS, MANIFEST_NAME, Manifest, ManifestMismatchError, ShardInfo,
-                       chat_template_hash, check, code_git_sha, read_manifest, tokenizer_hash, write_manifest)
+from .manifest import (
+    IDENTITY_FIELDS,
+    MANIFEST_NAME,
+    Manifest,
+    ManifestMismatchError,
+    ShardInfo,
+    chat_template_hash,
+    check,
+    code_git_sha,
+    read_manifest,
+    tokenizer_hash,
+    write_manifest,
+)
 from .target import FeatureTarget
 
 FEATURE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -95,8 +106,9 @@ def bytes_per_token(num_layers: int, hidden_size: int, dtype: str) -> int:
 def _validate_row(row: Any, index: int, source: str, vocab_size: int) -> int:
     """Returns the row's length; raises BadInputError naming source, row and field if it is malformed."""
     if not isinstance(row, Mapping):
-        raise BadInputError(source, index, None,
-                            f"expected a dict with input_ids and loss_mask, got {type(row).__name__}")
+        raise BadInputError(
+            source, index, None, f"expected a dict with input_ids and loss_mask, got {type(row).__name__}"
+        )
     for name in ("input_ids", "loss_mask"):
         value = row.get(name)
         if value is None:
@@ -111,8 +123,9 @@ def _validate_row(row: Any, index: int, source: str, vocab_size: int) -> int:
     if any(v not in (0, 1) for v in mask):
         raise BadInputError(source, index, "loss_mask", "values must be 0 or 1")
     if min(ids) < 0 or max(ids) >= vocab_size:
-        raise BadInputError(source, index, "input_ids",
-                            f"token id outside the target vocabulary [0, {vocab_size})")
+        raise BadInputError(
+            source, index, "input_ids", f"token id outside the target vocabulary [0, {vocab_size})"
+        )
     return len(ids)
 
 
@@ -141,14 +154,18 @@ def check_size(plan: CapturePlan, target: FeatureTarget, cfg: CaptureConfig) -> 
     per_token = bytes_per_token(len(target.feature_layers), target.hidden_size, cfg.dtype)
     total = plan.num_tokens * per_token
     itemsize, layers = FEATURE_DTYPES[cfg.dtype].itemsize, len(target.feature_layers)
-    print(f"capture: {len(plan.indices)} rows, {plan.num_tokens} tokens x ({layers} layers + final) x "
-          f"{target.hidden_size} x {itemsize} B = {total / GB:.3f} GB ({plan.truncated} rows truncated to "
-          f"{cfg.max_length} tokens)")
+    print(
+        f"capture: {len(plan.indices)} rows, {plan.num_tokens} tokens x ({layers} layers + final) x "
+        f"{target.hidden_size} x {itemsize} B = {total / GB:.3f} GB ({plan.truncated} rows truncated to "
+        f"{cfg.max_length} tokens)"
+    )
     if cfg.max_gb is not None and total > cfg.max_gb * GB:
         fit = sum(1 for tokens in itertools.accumulate(plan.lengths) if tokens * per_token <= cfg.max_gb * GB)
-        raise CaptureTooLargeError(f"capture would write {total / GB:.3f} GB > max_gb={cfg.max_gb}; nothing "
-                                   f"written. Raise max_gb, or set max_rows={fit} to capture the rows "
-                                   "that fit.")
+        raise CaptureTooLargeError(
+            f"capture would write {total / GB:.3f} GB > max_gb={cfg.max_gb}; nothing "
+            f"written. Raise max_gb, or set max_rows={fit} to capture the rows "
+            "that fit."
+        )
     return total
 
 
@@ -158,8 +175,9 @@ ShardPlan = tuple[Path, Rows, str]  # (shard file, its rows, fingerprint of sett
 
 def _load_rows(rows: Sequence[Mapping], indices: list[int], max_length: int) -> Rows:
     """Reads one shard's rows once (a datasets.Dataset decodes on every access) and truncates them."""
-    return {i: (list(rows[i]["input_ids"][:max_length]), list(rows[i]["loss_mask"][:max_length]))
-            for i in indices}
+    return {
+        i: (list(rows[i]["input_ids"][:max_length]), list(rows[i]["loss_mask"][:max_length])) for i in indices
+    }
 
 
 def _fingerprint(identity: Mapping[str, Any], shard: Rows) -> str:
@@ -170,14 +188,15 @@ def _fingerprint(identity: Mapping[str, Any], shard: Rows) -> str:
     return h.hexdigest()
 
 
-def _capture_shard(target: FeatureTarget, shard: Rows, cfg: CaptureConfig,
-                   bar: tqdm) -> dict[str, torch.Tensor]:
+def _capture_shard(
+    target: FeatureTarget, shard: Rows, cfg: CaptureConfig, bar: tqdm
+) -> dict[str, torch.Tensor]:
     """Runs the target over one shard's rows in length-sorted batches (less padding), packs real tokens."""
     dtype = FEATURE_DTYPES[cfg.dtype]
     per_row: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     order = sorted(shard, key=lambda i: len(shard[i][0]))
     for start in range(0, len(order), cfg.batch_size):
-        batch = order[start:start + cfg.batch_size]
+        batch = order[start : start + cfg.batch_size]
         seqs = [torch.tensor(shard[i][0]) for i in batch]
         input_ids = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True)  # [B,T], right-padded with 0
         mask = torch.nn.utils.rnn.pad_sequence([torch.ones_like(s) for s in seqs], batch_first=True)
@@ -197,24 +216,45 @@ def _capture_shard(target: FeatureTarget, shard: Rows, cfg: CaptureConfig,
     }
 
 
-def capture_features(target: FeatureTarget, rows: Sequence[Mapping], out_dir: str | Path,
-                     cfg: CaptureConfig | None = None, *, tokenizer: Any, source: str = "rows",
-                     tokens_manifest: Manifest | None = None) -> Path:
+def capture_features(
+    target: FeatureTarget,
+    rows: Sequence[Mapping],
+    out_dir: str | Path,
+    cfg: CaptureConfig | None = None,
+    *,
+    tokenizer: Any,
+    source: str = "rows",
+    tokens_manifest: Manifest | None = None,
+) -> Path:
     """Captures features for `rows` (dicts with int lists input_ids and loss_mask; `source` names them in
     errors) into `out_dir`, resuming from finished shards; returns out_dir (see the module docstring).
     With `tokens_manifest` (the rows' own manifest), rows from another tokenizer or template are refused."""
     cfg, out_dir = cfg or CaptureConfig(), Path(out_dir)
-    expected = Manifest(kind="features", target_id=target.target_id, target_revision=target.revision,
-                        tokenizer_hash=tokenizer_hash(tokenizer),
-                        chat_template_hash=chat_template_hash(tokenizer),
-                        layer_ids=list(target.feature_layers), dtype=cfg.dtype, max_length=cfg.max_length,
-                        hidden_size=target.hidden_size)
+    expected = Manifest(
+        kind="features",
+        target_id=target.target_id,
+        target_revision=target.revision,
+        tokenizer_hash=tokenizer_hash(tokenizer),
+        chat_template_hash=chat_template_hash(tokenizer),
+        layer_ids=list(target.feature_layers),
+        dtype=cfg.dtype,
+        max_length=cfg.max_length,
+        hidden_size=target.hidden_size,
+    )
     if tokens_manifest is not None:
-        check(tokens_manifest, {"kind": "tokens", "tokenizer_hash": expected.tokenizer_hash,
-                                "chat_template_hash": expected.chat_template_hash},
-              where=f"{source} manifest")
-        expected.extra["tokens_manifest"] = {"created": tokens_manifest.created,
-                                             "num_samples": tokens_manifest.num_samples}
+        check(
+            tokens_manifest,
+            {
+                "kind": "tokens",
+                "tokenizer_hash": expected.tokenizer_hash,
+                "chat_template_hash": expected.chat_template_hash,
+            },
+            where=f"{source} manifest",
+        )
+        expected.extra["tokens_manifest"] = {
+            "created": tokens_manifest.created,
+            "num_samples": tokens_manifest.num_samples,
+        }
     plan = plan_capture(rows, cfg, target.vocab_size, source)
     if not plan.indices:
         raise BadInputError(source, None, None, "no valid rows to capture")
@@ -235,17 +275,19 @@ def _shard_name(index: int) -> str:
     return f"features-{index:05d}.safetensors"
 
 
-def _shard_plan(rows: Sequence[Mapping], plan: CapturePlan, cfg: CaptureConfig, out_dir: Path,
-                identity: dict[str, Any]) -> Iterator[ShardPlan]:
+def _shard_plan(
+    rows: Sequence[Mapping], plan: CapturePlan, cfg: CaptureConfig, out_dir: Path, identity: dict[str, Any]
+) -> Iterator[ShardPlan]:
     """Yields (shard path, its rows, its fingerprint) in order; shard s holds valid rows s*shard_rows...."""
     for s in range(0, len(plan.indices), cfg.shard_rows):
         path = out_dir / _shard_name(s // cfg.shard_rows)
-        shard = _load_rows(rows, plan.indices[s:s + cfg.shard_rows], cfg.max_length)
+        shard = _load_rows(rows, plan.indices[s : s + cfg.shard_rows], cfg.max_length)
         yield path, shard, _fingerprint({**identity, "shard": path.name}, shard)
 
 
-def _write_shards(target: FeatureTarget, shard_plan: Iterator[ShardPlan], cfg: CaptureConfig,
-                  num_tokens: int) -> list[ShardInfo]:
+def _write_shards(
+    target: FeatureTarget, shard_plan: Iterator[ShardPlan], cfg: CaptureConfig, num_tokens: int
+) -> list[ShardInfo]:
     """Writes each shard, or keeps one already there from the same inputs; returns them with their sha256."""
     shards: list[ShardInfo] = []
     with tqdm(total=num_tokens, desc="capture", unit="tok", unit_scale=True) as bar:
@@ -265,12 +307,23 @@ def _check_fingerprint(path: Path, fingerprint: str) -> None:
     with safe_open(str(path), framework="pt") as f:
         found = (f.metadata() or {}).get("fingerprint")
     if found != fingerprint:
-        raise BadInputError(str(path), None, "fingerprint", "this shard was captured from other rows or "
-                            f"settings; delete {path.parent} or use another out_dir")
+        raise BadInputError(
+            str(path),
+            None,
+            "fingerprint",
+            "this shard was captured from other rows or "
+            f"settings; delete {path.parent} or use another out_dir",
+        )
 
 
-def _already_complete(out_dir: Path, expected: Manifest, rows: Sequence[Mapping], plan: CapturePlan,
-                      cfg: CaptureConfig, identity: dict[str, Any]) -> Path:
+def _already_complete(
+    out_dir: Path,
+    expected: Manifest,
+    rows: Sequence[Mapping],
+    plan: CapturePlan,
+    cfg: CaptureConfig,
+    identity: dict[str, Any],
+) -> Path:
     """A finished capture: refuse one made differently (settings and counts via the manifest, rows via the
     shard fingerprints, without re-hashing whole files); otherwise there is nothing to do."""
     found, where = read_manifest(out_dir), str(out_dir / MANIFEST_NAME)
@@ -278,9 +331,11 @@ def _already_complete(out_dir: Path, expected: Manifest, rows: Sequence[Mapping]
     check(found, {**wanted, "num_samples": len(plan.indices), "num_tokens": plan.num_tokens}, where=where)
     planned = [_shard_name(s) for s in range(math.ceil(len(plan.indices) / cfg.shard_rows))]
     if [shard.file for shard in found.shards] != planned:
-        raise ManifestMismatchError(f"{where} lists {len(found.shards)} shards, this run expects "
-                                    f"{len(planned)} (another shard_rows?); delete {out_dir} or use "
-                                    "another out_dir")
+        raise ManifestMismatchError(
+            f"{where} lists {len(found.shards)} shards, this run expects "
+            f"{len(planned)} (another shard_rows?); delete {out_dir} or use "
+            "another out_dir"
+        )
     for path, _, fingerprint in _shard_plan(rows, plan, cfg, out_dir, identity):
         _check_fingerprint(path, fingerprint)
     print(f"capture: {out_dir} is already complete ({found.num_samples} rows)")
@@ -295,7 +350,13 @@ def load_feature_rows(path: str | Path) -> list[dict[str, torch.Tensor]]:
         t = {name: f.get_tensor(name) for name in _TENSORS}
     rows = []
     for r, (a, b) in enumerate(zip(t["offsets"][:-1].tolist(), t["offsets"][1:].tolist())):
-        rows.append({"features": t["features"][a:b], "last_hidden": t["last_hidden"][a:b],
-                     "input_ids": t["input_ids"][a:b].long(), "loss_mask": t["loss_mask"][a:b].bool(),
-                     "row_index": int(t["row_index"][r])})
+        rows.append(
+            {
+                "features": t["features"][a:b],
+                "last_hidden": t["last_hidden"][a:b],
+                "input_ids": t["input_ids"][a:b].long(),
+                "loss_mask": t["loss_mask"][a:b].bool(),
+                "row_index": int(t["row_index"][r]),
+            }
+        )
     return rows

@@ -36,7 +36,9 @@ class PrepareConfig:
 
     def __post_init__(self):
         if self.max_length < 8 or self.shard_rows < 1:
-            raise ValueError(f"prepare needs max_length >= 8 and shard_rows >= 1, got {self.max_length}, {self.shard_rows}")
+            raise ValueError(
+                f"prepare needs max_length >= 8 and shard_rows >= 1, got {self.max_length}, {self.shard_rows}"
+            )
 
 
 @dataclass

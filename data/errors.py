@@ -9,11 +9,16 @@ ON_BAD_ROW = ("error", "skip")
 
 
 class BadInputError(ValueError):
-    """A malformed input: names the file, the row (0-based index, or None for the whole file) and the field."""
+    """A malformed input: names the file, the row (0-based index; None for the whole file) and the
+    field."""
 
     def __init__(self, path: str, row: int | None, field_name: str | None, problem: str):
         self.path, self.row, self.field, self.problem = str(path), row, field_name, problem
-        where = self.path + (f", row {row}" if row is not None else "") + (f", field {field_name!r}" if field_name else "")
+        where = (
+            self.path
+            + (f", row {row}" if row is not None else "")
+            + (f", field {field_name!r}" if field_name else "")
+        )
         super().__init__(f"{where}: {problem}")
 
 

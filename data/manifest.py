@@ -26,7 +26,13 @@ KINDS = ("tokens", "features")
 # What makes two shard folders interchangeable: a reader that expects a Manifest compares these.
 # Counts, checksums, code sha and time describe one particular run and are not compared.
 IDENTITY_FIELDS = (
-    "kind", "target_id", "target_revision", "tokenizer_hash", "chat_template_hash", "layer_ids", "dtype",
+    "kind",
+    "target_id",
+    "target_revision",
+    "tokenizer_hash",
+    "chat_template_hash",
+    "layer_ids",
+    "dtype",
     "max_length",
 )
 # `git rev-parse` is local and instant; the bound only guards against a hung filesystem.
@@ -71,8 +77,9 @@ class Manifest:
         if self.kind == "features" and not self.layer_ids:
             raise ValueError("a features manifest needs layer_ids (the target hidden_states it holds)")
         if sum(s.rows for s in self.shards) != self.num_samples:
-            raise ValueError(f"shards hold {sum(s.rows for s in self.shards)} rows "
-                             f"but num_samples={self.num_samples}")
+            raise ValueError(
+                f"shards hold {sum(s.rows for s in self.shards)} rows but num_samples={self.num_samples}"
+            )
         if not self.created:
             self.created = datetime.now(timezone.utc).isoformat(timespec="seconds")
 
@@ -82,13 +89,28 @@ class Manifest:
 
 # field -> accepted JSON types; the reader names the field and the type it found.
 _FIELD_TYPES: dict[str, tuple[type, ...]] = {
-    "version": (int,), "kind": (str,), "target_id": (str,), "target_revision": (str, type(None)),
-    "tokenizer_hash": (str,), "chat_template_hash": (str, type(None)), "layer_ids": (list,), "dtype": (str,),
-    "max_length": (int,), "hidden_size": (int, type(None)), "num_samples": (int,), "num_tokens": (int,),
-    "shards": (list,), "code_git_sha": (str, type(None)), "created": (str,), "extra": (dict,),
+    "version": (int,),
+    "kind": (str,),
+    "target_id": (str,),
+    "target_revision": (str, type(None)),
+    "tokenizer_hash": (str,),
+    "chat_template_hash": (str, type(None)),
+    "layer_ids": (list,),
+    "dtype": (str,),
+    "max_length": (int,),
+    "hidden_size": (int, type(None)),
+    "num_samples": (int,),
+    "num_tokens": (int,),
+    "shards": (list,),
+    "code_git_sha": (str, type(None)),
+    "created": (str,),
+    "extra": (dict,),
 }
-_REQUIRED = tuple(f.name for f in dataclasses.fields(Manifest) if f.default is dataclasses.MISSING
-                  and f.default_factory is dataclasses.MISSING)
+_REQUIRED = tuple(
+    f.name
+    for f in dataclasses.fields(Manifest)
+    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+)
 _SHARD_TYPES = {"file": (str,), "rows": (int,), "sha256": (str,)}
 
 
@@ -105,8 +127,9 @@ def read_manifest(path: str | Path) -> Manifest:
     path = Path(path)
     path = path / MANIFEST_NAME if path.is_dir() else path
     if not path.is_file():
-        raise BadInputError(str(path), None, None,
-                            "no manifest here (was the capture or prepare step finished?)")
+        raise BadInputError(
+            str(path), None, None, "no manifest here (was the capture or prepare step finished?)"
+        )
     try:
         raw = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -131,25 +154,33 @@ def _check_fields(path: Path, raw: dict[str, Any]) -> None:
     for name, value in raw.items():
         if not isinstance(value, _FIELD_TYPES[name]) or isinstance(value, bool) and int in _FIELD_TYPES[name]:
             want = " or ".join("null" if t is type(None) else t.__name__ for t in _FIELD_TYPES[name])
-            raise BadInputError(str(path), None, name,
-                                f"expected {want}, found {type(value).__name__} {value!r}")
+            raise BadInputError(
+                str(path), None, name, f"expected {want}, found {type(value).__name__} {value!r}"
+            )
     if raw.get("version", MANIFEST_VERSION) != MANIFEST_VERSION:
-        raise BadInputError(str(path), None, "version", f"unknown version {raw['version']} "
-                                                        f"(this code reads version {MANIFEST_VERSION})")
+        raise BadInputError(
+            str(path),
+            None,
+            "version",
+            f"unknown version {raw['version']} (this code reads version {MANIFEST_VERSION})",
+        )
     if not all(isinstance(i, int) and not isinstance(i, bool) for i in raw.get("layer_ids", [])):
-        raise BadInputError(str(path), None, "layer_ids",
-                            f"expected a list of ints, found {raw['layer_ids']!r}")
+        raise BadInputError(
+            str(path), None, "layer_ids", f"expected a list of ints, found {raw['layer_ids']!r}"
+        )
 
 
 def _shard(path: Path, index: int, raw: Any) -> ShardInfo:
     where = f"shards[{index}]"
     if not isinstance(raw, dict) or set(raw) != set(_SHARD_TYPES):
-        raise BadInputError(str(path), None, where, f"expected an object with keys {sorted(_SHARD_TYPES)}, "
-                                                    f"found {raw!r}")
+        raise BadInputError(
+            str(path), None, where, f"expected an object with keys {sorted(_SHARD_TYPES)}, found {raw!r}"
+        )
     for name, types in _SHARD_TYPES.items():
         if not isinstance(raw[name], types) or isinstance(raw[name], bool):
-            raise BadInputError(str(path), None, f"{where}.{name}", f"expected {types[0].__name__}, "
-                                                                    f"found {raw[name]!r}")
+            raise BadInputError(
+                str(path), None, f"{where}.{name}", f"expected {types[0].__name__}, found {raw[name]!r}"
+            )
     return ShardInfo(**raw)
 
 
@@ -161,13 +192,19 @@ def check(manifest: Manifest, expected: Manifest | Mapping[str, Any], *, where: 
     """Refuses a mismatch. `expected` is a Manifest (its IDENTITY_FIELDS are compared) or a mapping of
     field -> expected value (only those fields are compared). The error lists
     `field: expected X vs found Y`."""
-    wanted = ({name: getattr(expected, name) for name in IDENTITY_FIELDS} if isinstance(expected, Manifest)
-              else dict(expected))
+    wanted = (
+        {name: getattr(expected, name) for name in IDENTITY_FIELDS}
+        if isinstance(expected, Manifest)
+        else dict(expected)
+    )
     unknown = [name for name in wanted if name not in _FIELD_TYPES]
     if unknown:
         raise ValueError(f"check(): {unknown} are not manifest fields")
-    diffs = [f"  {name}: expected {value!r} vs found {getattr(manifest, name)!r}"
-             for name, value in wanted.items() if _normalise(getattr(manifest, name)) != _normalise(value)]
+    diffs = [
+        f"  {name}: expected {value!r} vs found {getattr(manifest, name)!r}"
+        for name, value in wanted.items()
+        if _normalise(getattr(manifest, name)) != _normalise(value)
+    ]
     if diffs:
         raise ManifestMismatchError(f"{where} does not match what this run expects:\n" + "\n".join(diffs))
 
@@ -186,8 +223,12 @@ def verify_shards(manifest: Manifest, folder: str | Path) -> None:
             raise BadInputError(str(path), None, None, f"shard listed in {MANIFEST_NAME} is missing")
         found = sha256_file(path)
         if found != shard.sha256:
-            raise BadInputError(str(path), None, "sha256", f"checksum mismatch: {MANIFEST_NAME} says "
-                                                           f"{shard.sha256}, the file has {found}")
+            raise BadInputError(
+                str(path),
+                None,
+                "sha256",
+                f"checksum mismatch: {MANIFEST_NAME} says {shard.sha256}, the file has {found}",
+            )
 
 
 def tokenizer_hash(tokenizer: Any) -> str:
@@ -198,14 +239,16 @@ def tokenizer_hash(tokenizer: Any) -> str:
     model = json.loads(tokenizer.backend_tokenizer.to_str())["model"] if tokenizer.is_fast else {}
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
     added = sorted((i, t.content, t.special) for i, t in tokenizer.added_tokens_decoder.items())
-    return _sha256_json({
-        "model": model.get("type", type(tokenizer).__name__),
-        "vocab": sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1]),
-        "merges": merges,
-        "scores": model.get("vocab") if model.get("type") == "Unigram" else None,
-        "added_tokens": added,
-        "special_tokens": tokenizer.special_tokens_map,
-    })
+    return _sha256_json(
+        {
+            "model": model.get("type", type(tokenizer).__name__),
+            "vocab": sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1]),
+            "merges": merges,
+            "scores": model.get("vocab") if model.get("type") == "Unigram" else None,
+            "added_tokens": added,
+            "special_tokens": tokenizer.special_tokens_map,
+        }
+    )
 
 
 def chat_template_hash(tokenizer: Any) -> str | None:
@@ -223,8 +266,14 @@ def code_git_sha(repo_dir: str | Path | None = None) -> str | None:
     wheel), git is missing, or anything else goes wrong: provenance must never fail a run."""
     cwd = Path(repo_dir) if repo_dir is not None else Path(__file__).resolve().parent
     try:
-        done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True,
-                              timeout=GIT_TIMEOUT_S, check=False)
+        done = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=GIT_TIMEOUT_S,
+            check=False,
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     sha = done.stdout.strip()

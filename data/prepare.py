@@ -36,9 +36,17 @@ class PrepareResult:
 def expected_manifest(cfg: PrepareConfig, tokenizer) -> Manifest:
     """What the token shards of this config must record (checked against an existing folder)."""
     recipe = {"corpus": asdict(cfg.corpus), "regenerate": asdict(cfg.regenerate)}
-    return Manifest(kind="tokens", target_id=cfg.target.target_id, target_revision=cfg.target.revision,
-                    tokenizer_hash=tokenizer_hash(tokenizer), chat_template_hash=chat_template_hash(tokenizer),
-                    max_length=cfg.max_length, dtype="int32", code_git_sha=code_git_sha(), extra=recipe)  # fmt: skip
+    return Manifest(
+        kind="tokens",
+        target_id=cfg.target.target_id,
+        target_revision=cfg.target.revision,
+        tokenizer_hash=tokenizer_hash(tokenizer),
+        chat_template_hash=chat_template_hash(tokenizer),
+        max_length=cfg.max_length,
+        dtype="int32",
+        code_git_sha=code_git_sha(),
+        extra=recipe,
+    )
 
 
 def up_to_date(tokens_dir: Path, expected: Manifest, overwrite: bool) -> bool:
@@ -89,23 +97,36 @@ def prepare(cfg: PrepareConfig) -> PrepareResult:
         drawn = len(conversations)
         if cfg.regenerate.enabled:
             conversations = fitting_prompts(tokenizer, conversations, cfg.regenerate, policy)
-            conversations = regenerate(model(), tokenizer, conversations, out / "regenerated.jsonl", cfg.regenerate)
+            conversations = regenerate(
+                model(), tokenizer, conversations, out / "regenerated.jsonl", cfg.regenerate
+            )
         rows = tokenize(conversations, tokenizer, cfg.max_length, policy)
-        print(f"corpus: {drawn} conversations drawn (limit {cfg.corpus.limit}), {len(rows)} rows kept; "
-              f"bad rows in the source and after filtering: {policy.summary()}")
+        print(
+            f"corpus: {drawn} conversations drawn (limit {cfg.corpus.limit}), {len(rows)} rows kept; "
+            f"bad rows in the source and after filtering: {policy.summary()}"
+        )
         manifest = write_token_shards(rows, tokens_dir, expected, cfg.shard_rows)
     result = PrepareResult(tokens_dir, manifest.num_samples, manifest.num_tokens)
     if cfg.features.enabled:
         from .shards import TokenDataset
 
-        target = FeatureTarget(model(), cfg.target.feature_layers, target_id=cfg.target.target_id,
-                               revision=cfg.target.revision)
+        target = FeatureTarget(
+            model(), cfg.target.feature_layers, target_id=cfg.target.target_id, revision=cfg.target.revision
+        )
         rows = [{k: v.tolist() for k, v in row.items()} for row in TokenDataset(tokens_dir)]
-        result.features_dir = capture_features(target, rows, out / "features", cfg.features, tokenizer=tokenizer,
-                                               source=str(tokens_dir), tokens_manifest=manifest)  # fmt: skip
-    print(f"token shards: {tokens_dir} ({result.num_rows} rows, {result.num_tokens} tokens); "
-          f"manifest: {tokens_dir / 'manifest.json'}")
+        result.features_dir = capture_features(
+            target,
+            rows,
+            out / "features",
+            cfg.features,
+            tokenizer=tokenizer,
+            source=str(tokens_dir),
+            tokens_manifest=manifest,
+        )
+    print(
+        f"token shards: {tokens_dir} ({result.num_rows} rows, {result.num_tokens} tokens); "
+        f"manifest: {tokens_dir / 'manifest.json'}"
+    )
     if result.features_dir:
         print(f"target features: {result.features_dir}; manifest: {result.features_dir / 'manifest.json'}")
     return result
-

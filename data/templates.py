@@ -99,9 +99,11 @@ def assistant_char_spans(tokenizer: PreTrainedTokenizerBase, turns: list[Turn]) 
         end = len(_prefix_of(full, _render(tokenizer, turns[: i + 1]), i))
         end = start + len(full[start:end].rstrip())
         if turn["content"].strip() not in full[start:end]:
-            raise TemplateMaskError(f"turn {i}: the assistant span {full[start:end]!r} does not hold the "
-                                    "turn's content: the template is not prefix-stable; add {% generation %} "
-                                    "markers")
+            raise TemplateMaskError(
+                f"turn {i}: the assistant span {full[start:end]!r} does not hold the "
+                "turn's content: the template is not prefix-stable; add {% generation %} "
+                "markers"
+            )
         spans.append((start, end))
     return full, spans
 

@@ -62,8 +62,13 @@ def forward_time(tokens: int, device: str, repeats: int) -> float:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
-        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-        num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True,
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        tie_word_embeddings=True,
     )
     model = LlamaForCausalLM(cfg).to(device).eval()
     ids = torch.randint(0, cfg.vocab_size, (1, tokens), device=device)
@@ -92,7 +97,9 @@ def main(argv: list[str] | None = None) -> None:
         for k in args.drafts:
             for n in args.lengths:
                 fwd = forward_time(k * (n + 1), args.device, max(3, args.repeats // 4))
-                inputs = [make_inputs(k, n, vocab, gen, args.device, args.temperature) for _ in range(args.repeats)]
+                inputs = [
+                    make_inputs(k, n, vocab, gen, args.device, args.temperature) for _ in range(args.repeats)
+                ]
                 acc = statistics.mean(i[3] for i in inputs)
                 ms = {}
                 for name in [v for v in ORDER if v in VERIFIERS]:
@@ -109,8 +116,13 @@ def main(argv: list[str] | None = None) -> None:
                     ms[name] = 1e3 * time_call(call, args.repeats, args.device)
                 for name, t in ms.items():
                     ratio = f"{t / ms['spectr']:.2f}" if "spectr" in ms else "-"
-                    print(f"| {vocab} | {k} | {n} | {acc:.2f} | {name} | {t:.2f} | {ratio} | {100 * t / (1e3 * fwd):.1f} |")
-                print(f"| {vocab} | {k} | {n} | | target forward, {k * (n + 1)} tokens | {1e3 * fwd:.1f} | | |", flush=True)
+                    print(
+                        f"| {vocab} | {k} | {n} | {acc:.2f} | {name} | {t:.2f} | {ratio} | {100 * t / (1e3 * fwd):.1f} |"
+                    )
+                print(
+                    f"| {vocab} | {k} | {n} | | target forward, {k * (n + 1)} tokens | {1e3 * fwd:.1f} | | |",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -6,7 +6,10 @@ import sys
 
 COMMANDS = {
     "bench-verify": ("specblock.evaluate.bench_verify", "time every verifier (Markdown table)"),
-    "exact-decode": ("specblock.evaluate.exact_decode", "exact expected target calls per verifier on table models"),
+    "exact-decode": (
+        "specblock.evaluate.exact_decode",
+        "exact expected target calls per verifier on table models",
+    ),
 }
 
 

@@ -45,7 +45,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--alpha", type=float, default=0.6, help="Dirichlet concentration of the random laws")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    print(f"random instances: L = {args.length}, H = {args.horizon}; E[tau] is the first iteration's, calls are over whole decodes\n")
+    print(
+        f"random instances: L = {args.length}, H = {args.horizon}; E[tau] is the first iteration's, calls are over whole decodes\n"
+    )
     print("| instance | K | verifier | first-iteration E[tau] | E[target calls] | tokens/call | law error |")
     print("|---|---|---|---|---|---|---|")
     toy_q, toy_p = TableModel(2, fixed=[2 / 3, 1 / 3]), TableModel(2, fixed=[1 / 3, 2 / 3])
@@ -55,7 +57,9 @@ def main(argv: list[str] | None = None) -> None:
         seed = args.seed + i
         target = TableModel(args.vocab, seed=seed, alpha=args.alpha)
         draft = TableModel(args.vocab, seed=10_000 + seed, alpha=args.alpha)
-        for row in instance_rows(f"random {seed} (V={args.vocab})", target, draft, args.drafts, args.length, args.horizon):
+        for row in instance_rows(
+            f"random {seed} (V={args.vocab})", target, draft, args.drafts, args.length, args.horizon
+        ):
             print(row, flush=True)
 
 

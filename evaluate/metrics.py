@@ -52,10 +52,16 @@ class Counts:
     offered_at: list[int] = field(default_factory=list)
 
     def __add__(self, other: Counts) -> Counts:
-        sums = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)
-                if f.name not in ("accepted_at", "offered_at")}
-        return Counts(**sums, accepted_at=_add_lists(self.accepted_at, other.accepted_at),
-                      offered_at=_add_lists(self.offered_at, other.offered_at))
+        sums = {
+            f.name: getattr(self, f.name) + getattr(other, f.name)
+            for f in fields(self)
+            if f.name not in ("accepted_at", "offered_at")
+        }
+        return Counts(
+            **sums,
+            accepted_at=_add_lists(self.accepted_at, other.accepted_at),
+            offered_at=_add_lists(self.offered_at, other.offered_at),
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -114,9 +120,19 @@ class Accumulator:
             raise ValueError(f"dataset name {OVERALL!r} is reserved for the all-datasets row")
         return self.counts.setdefault((dataset, method), Counts())
 
-    def add_iteration(self, dataset: str, method: str, *, accepted: int, emitted: int, draft_len: int,
-                      drafter_calls: int, drafter_seconds: float = 0.0, verify_seconds: float = 0.0,
-                      target_calls: int = 1) -> None:
+    def add_iteration(
+        self,
+        dataset: str,
+        method: str,
+        *,
+        accepted: int,
+        emitted: int,
+        draft_len: int,
+        drafter_calls: int,
+        drafter_seconds: float = 0.0,
+        verify_seconds: float = 0.0,
+        target_calls: int = 1,
+    ) -> None:
         """One verification step: `accepted` draft tokens kept out of a draft of depth `draft_len`
         (the longest path for a tree), `emitted` tokens appended (accepted + bonus/correction)."""
         if not 0 <= accepted <= draft_len:
@@ -132,8 +148,9 @@ class Accumulator:
         c.accepted_at = _add_lists(c.accepted_at, [1] * accepted)
         c.offered_at = _add_lists(c.offered_at, [1] * draft_len)
 
-    def add_generation(self, dataset: str, method: str, *, tokens: int, seconds: float,
-                       target_calls: int = 0) -> None:
+    def add_generation(
+        self, dataset: str, method: str, *, tokens: int, seconds: float, target_calls: int = 0
+    ) -> None:
         """One finished generation of `tokens` new tokens in `seconds` of wall clock. `target_calls` are
         target forwards NOT recorded by `add_iteration` (the prefill; every step of autoregressive
         decoding): each emits exactly one token, so they add to both `target_calls` and `emitted`."""

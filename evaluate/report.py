@@ -30,7 +30,9 @@ def records(acc: Accumulator, config: Mapping[str, Any]) -> list[dict[str, Any]]
     out = []
     for dataset, method, c in acc.cells():
         metrics = {**derived(c), "speedup": acc.speedup(dataset, method)}
-        out.append({**config, "dataset": dataset, "method": method, "counts": c.to_dict(), "metrics": metrics})
+        out.append(
+            {**config, "dataset": dataset, "method": method, "counts": c.to_dict(), "metrics": metrics}
+        )
     return out
 
 
@@ -124,8 +126,9 @@ def _by_method(rows: Iterable[Mapping[str, Any]], dataset: str) -> dict[str, lis
     return out
 
 
-def plot_block_efficiency(rows: Iterable[Mapping[str, Any]], x: str, path: str | os.PathLike,
-                          dataset: str = OVERALL) -> None:
+def plot_block_efficiency(
+    rows: Iterable[Mapping[str, Any]], x: str, path: str | os.PathLike, dataset: str = OVERALL
+) -> None:
     """Block efficiency against the config field `x` ("K", "L", "temperature", ...), one line per
     method, from the `dataset` rows. Each (method, x) must be one record: filter other axes with select()."""
     fig = Figure(figsize=(5, 3.5))
@@ -148,8 +151,9 @@ def plot_block_efficiency(rows: Iterable[Mapping[str, Any]], x: str, path: str |
     _save(fig, path)
 
 
-def plot_acceptance_at(rows: Iterable[Mapping[str, Any]], path: str | os.PathLike,
-                       dataset: str = OVERALL) -> None:
+def plot_acceptance_at(
+    rows: Iterable[Mapping[str, Any]], path: str | os.PathLike, dataset: str = OVERALL
+) -> None:
     """Per-position acceptance (accepted at position i / drafts reaching position i), one line per method
     from the `dataset` rows; methods with no draft (autoregressive) have no line."""
     fig = Figure(figsize=(5, 3.5))

@@ -15,7 +15,13 @@ import torch
 from specblock.data.corpora import CorpusConfig, load_conversations
 from specblock.data.errors import RowPolicy
 from specblock.data.regenerate import RegenerateConfig, fitting_prompts, generate_batch, user_rounds
-from specblock.data.target import DEFAULT_TARGET_DIR, FeatureTarget, TargetConfig, ensure_embedded_target, load_target
+from specblock.data.target import (
+    DEFAULT_TARGET_DIR,
+    FeatureTarget,
+    TargetConfig,
+    ensure_embedded_target,
+    load_target,
+)
 from specblock.data.templates import render_with_mask
 
 
@@ -32,7 +38,9 @@ def main() -> None:
     t0 = time.perf_counter()
     model, tok = load_target(TargetConfig(name_or_path=args.target, dtype=args.dtype))
     load_s = time.perf_counter() - t0
-    cfg = RegenerateConfig(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, max_prompt_tokens=256)
+    cfg = RegenerateConfig(
+        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, max_prompt_tokens=256
+    )
     corpus = CorpusConfig(limit=4 * args.prompts, seed=1, on_bad_row="skip")
     convs = fitting_prompts(tok, load_conversations(corpus, RowPolicy("skip")), cfg, RowPolicy("skip"))
     prompts = [sum(user_rounds(turns, 1), []) for _, turns in convs[: args.prompts]]
@@ -44,7 +52,10 @@ def main() -> None:
     regen_s = time.perf_counter() - t0
 
     target = FeatureTarget(model)
-    rows = [render_with_mask(tok, p + [{"role": "assistant", "content": "ok"}], args.capture_length)[0] for p in prompts]
+    rows = [
+        render_with_mask(tok, p + [{"role": "assistant", "content": "ok"}], args.capture_length)[0]
+        for p in prompts
+    ]
     ids = torch.full((args.batch_size, args.capture_length), tok.pad_token_id or 0)
     for i, r in enumerate(rows[: args.batch_size]):
         ids[i, : len(r)] = torch.tensor(r)
@@ -52,11 +63,17 @@ def main() -> None:
     t0 = time.perf_counter()
     target(ids)
     cap_s = time.perf_counter() - t0
-    print(f"target {args.target} ({args.dtype}), torch threads {torch.get_num_threads()}, load {load_s:.1f} s\n")
+    print(
+        f"target {args.target} ({args.dtype}), torch threads {torch.get_num_threads()}, load {load_s:.1f} s\n"
+    )
     print("| stage | batch | tokens | seconds | tokens/s |")
     print("|---|---|---|---|---|")
-    print(f"| regeneration (greedy, max {args.max_new_tokens} new) | {args.batch_size} | {generated} | {regen_s:.1f} | {generated / regen_s:.1f} |")
-    print(f"| feature capture (forward, {args.capture_length} tok/row) | {args.batch_size} | {ids.numel()} | {cap_s:.2f} | {ids.numel() / cap_s:.0f} |")
+    print(
+        f"| regeneration (greedy, max {args.max_new_tokens} new) | {args.batch_size} | {generated} | {regen_s:.1f} | {generated / regen_s:.1f} |"
+    )
+    print(
+        f"| feature capture (forward, {args.capture_length} tok/row) | {args.batch_size} | {ids.numel()} | {cap_s:.2f} | {ids.numel() / cap_s:.0f} |"
+    )
 
 
 if __name__ == "__main__":

@@ -20,7 +20,12 @@ import time
 
 import torch
 
-from specblock.data.target import DEFAULT_TARGET_DIR, TargetConfig, default_feature_layers, ensure_embedded_target
+from specblock.data.target import (
+    DEFAULT_TARGET_DIR,
+    TargetConfig,
+    default_feature_layers,
+    ensure_embedded_target,
+)
 from specblock.data.target import load_target
 from specblock.train.losses import LossConfig
 from specblock.train.modeling import build_drafter, build_vocab_map
@@ -47,16 +52,29 @@ def measure(args) -> dict:
     layers = default_feature_layers(target.config.num_hidden_layers)
     counts = torch.bincount(ids.flatten().cpu(), minlength=vocab) + torch.arange(vocab).flip(0) / vocab
     d2t = build_vocab_map(counts, args.draft_vocab)[0]
-    cfg = DrafterConfig(name=args.drafter, draft_vocab_size=args.draft_vocab, ttt_length=args.slots, block_size=args.slots)
-    module = build_drafter(args.drafter, cfg.specific(len(layers)), target.config, target.get_input_embeddings().weight,
-                           target.get_output_embeddings().weight, d2t).to(args.device)  # fmt: skip
+    cfg = DrafterConfig(
+        name=args.drafter, draft_vocab_size=args.draft_vocab, ttt_length=args.slots, block_size=args.slots
+    )
+    module = build_drafter(
+        args.drafter,
+        cfg.specific(len(layers)),
+        target.config,
+        target.get_input_embeddings().weight,
+        target.get_output_embeddings().weight,
+        d2t,
+    ).to(args.device)
     head = target.get_output_embeddings().weight.detach()
-    strategy = STRATEGIES[args.drafter](module, target, layers, LossConfig(), StrategyConfig(num_ttt_blocks=args.blocks), head)
+    strategy = STRATEGIES[args.drafter](
+        module, target, layers, LossConfig(), StrategyConfig(num_ttt_blocks=args.blocks), head
+    )
     optimizer = build_optimizer(module, OptimConfig(lr=1e-4))
     with torch.no_grad():
         out = target(**{k: batch[k] for k in ("input_ids", "attention_mask")}, output_hidden_states=True)
-        cached = {**batch, "features": torch.cat([out.hidden_states[i] for i in layers], -1),
-                  "last_hidden": out.hidden_states[-1]}  # fmt: skip
+        cached = {
+            **batch,
+            "features": torch.cat([out.hidden_states[i] for i in layers], -1),
+            "last_hidden": out.hidden_states[-1],
+        }
 
     def step(b):
         optimizer.zero_grad(set_to_none=True)
@@ -76,9 +94,20 @@ def measure(args) -> dict:
     strategy.target_outputs = lambda b: teacher  # the drafter's own work alone: fwd + bwd + AdamW
     t_drafter = timed(lambda: step(batch), args.repeats)
     tokens = args.batch * args.length
-    peak = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    return {"drafter": args.drafter, "target_fwd_s": t_target, "drafter_s": t_drafter, "online_tok_s": tokens / t_online,
-            "offline_tok_s": tokens / t_offline, "share": t_drafter / t_target, "peak_gib": peak}  # fmt: skip
+    peak = (
+        torch.cuda.max_memory_allocated() / 2**30
+        if args.device == "cuda"
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    )
+    return {
+        "drafter": args.drafter,
+        "target_fwd_s": t_target,
+        "drafter_s": t_drafter,
+        "online_tok_s": tokens / t_online,
+        "offline_tok_s": tokens / t_offline,
+        "share": t_drafter / t_target,
+        "peak_gib": peak,
+    }
 
 
 def main() -> None:
@@ -99,16 +128,25 @@ def main() -> None:
     if args.drafter:  # one configuration, in a child process
         print(json.dumps(measure(args)))
         return
-    print(f"target {args.target} ({args.dtype}, {args.device}), drafter {'bf16 autocast' if args.autocast else 'fp32'}, "
-          f"batch {args.batch} x {args.length} tokens, "
-          f"K = {args.slots}, draft vocab {args.draft_vocab}, torch threads {torch.get_num_threads()}\n")
-    print("| drafter | target fwd s | drafter fwd+bwd+AdamW s | drafter / target fwd | online tok/s | offline tok/s | peak GiB |")
+    print(
+        f"target {args.target} ({args.dtype}, {args.device}), drafter {'bf16 autocast' if args.autocast else 'fp32'}, "
+        f"batch {args.batch} x {args.length} tokens, "
+        f"K = {args.slots}, draft vocab {args.draft_vocab}, torch threads {torch.get_num_threads()}\n"
+    )
+    print(
+        "| drafter | target fwd s | drafter fwd+bwd+AdamW s | drafter / target fwd | online tok/s | offline tok/s | peak GiB |"
+    )
     print("|---|---|---|---|---|---|---|")
     for name in args.drafters:
         child = [sys.executable, __file__, *sys.argv[1:], "--drafter", name]
-        r = json.loads(subprocess.run(child, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])
-        print(f"| {name} | {r['target_fwd_s']:.2f} | {r['drafter_s']:.2f} | {r['share']:.2f} | "
-              f"{r['online_tok_s']:.0f} | {r['offline_tok_s']:.0f} | {r['peak_gib']:.2f} |", flush=True)
+        r = json.loads(
+            subprocess.run(child, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
+        )
+        print(
+            f"| {name} | {r['target_fwd_s']:.2f} | {r['drafter_s']:.2f} | {r['share']:.2f} | "
+            f"{r['online_tok_s']:.0f} | {r['offline_tok_s']:.0f} | {r['peak_gib']:.2f} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -12,31 +12,44 @@ import argparse
 import time
 from pathlib import Path
 
-from specblock.data.target import (DEFAULT_TARGET_DIR, DTYPES, SMOLLM2_SHA256, TargetConfig, convert_gguf,
-                                   find_packaged_gguf, load_target, max_logit_difference)
+from specblock.data.target import (
+    DEFAULT_TARGET_DIR,
+    DTYPES,
+    SMOLLM2_SHA256,
+    TargetConfig,
+    convert_gguf,
+    find_packaged_gguf,
+    load_target,
+    max_logit_difference,
+)
 
 CHECK_PROMPT = "Speculative decoding drafts several tokens and lets the target verify them in one pass."
 
 
 def check(gguf: Path, out: Path, dtype: str) -> None:
     timings, models = {}, {}
-    for name, cfg in {"gguf": TargetConfig(str(gguf.parent), gguf_file=gguf.name, dtype=dtype),
-                      "converted": TargetConfig(str(out), dtype=dtype)}.items():
+    for name, cfg in {
+        "gguf": TargetConfig(str(gguf.parent), gguf_file=gguf.name, dtype=dtype),
+        "converted": TargetConfig(str(out), dtype=dtype),
+    }.items():
         start = time.perf_counter()
         models[name], tokenizer = load_target(cfg)
         timings[name] = time.perf_counter() - start
     input_ids = tokenizer(CHECK_PROMPT, return_tensors="pt").input_ids
     diff = max_logit_difference(models["gguf"], models["converted"], input_ids)
-    print(f"load (model + tokenizer): gguf {timings['gguf']:.1f} s, converted {timings['converted']:.2f} s; "
-          f"max |logit difference| over {input_ids.shape[1]} tokens = {diff}")
+    print(
+        f"load (model + tokenizer): gguf {timings['gguf']:.1f} s, converted {timings['converted']:.2f} s; "
+        f"max |logit difference| over {input_ids.shape[1]} tokens = {diff}"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(DEFAULT_TARGET_DIR))
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
-    parser.add_argument("--check", action="store_true",
-                        help="compare the logits of the GGUF and of the converted folder")
+    parser.add_argument(
+        "--check", action="store_true", help="compare the logits of the GGUF and of the converted folder"
+    )
     args = parser.parse_args(argv)
     gguf = find_packaged_gguf()
     print(f"source: {gguf}")

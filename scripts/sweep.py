@@ -48,7 +48,11 @@ def main() -> None:
     jobs = expand(args.overrides)
     for i, job in enumerate(jobs):
         name = job_name(args.prefix, job, swept)
-        launcher = [sys.executable, "-m"] if args.no_accelerate else ["accelerate", "launch", "--config_file", args.config, "-m"]
+        launcher = (
+            [sys.executable, "-m"]
+            if args.no_accelerate
+            else ["accelerate", "launch", "--config_file", args.config, "-m"]
+        )
         cmd = [*launcher, args.module, *job, f"run_name={name}"]
         print(f"[{i + 1}/{len(jobs)}] {' '.join(cmd)}", flush=True)
         if not args.dry_run:

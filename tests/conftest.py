@@ -19,7 +19,9 @@ CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-WORDS = "the a cat dog sat on mat and ran fast slow red blue one two three four five is was what why how".split()
+WORDS = (
+    "the a cat dog sat on mat and ran fast slow red blue one two three four five is was what why how".split()
+)
 
 
 def make_tiny_tokenizer(chat_template: str = CHATML):
@@ -35,18 +37,32 @@ def make_tiny_tokenizer(chat_template: str = CHATML):
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
     tok.add_special_tokens(specials)
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>", pad_token="<pad>", chat_template=chat_template
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        eos_token="<|im_end|>",
+        pad_token="<pad>",
+        chat_template=chat_template,
     )
 
 
-def make_tiny_llama(vocab_size: int, hidden: int = 32, layers: int = 4, heads: int = 4, kv_heads: int = 2, seed: int = 0):
+def make_tiny_llama(
+    vocab_size: int, hidden: int = 32, layers: int = 4, heads: int = 4, kv_heads: int = 2, seed: int = 0
+):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=512,
-        tie_word_embeddings=True, eos_token_id=2, pad_token_id=3, bos_token_id=None,
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        eos_token_id=2,
+        pad_token_id=3,
+        bos_token_id=None,
     )
     return LlamaForCausalLM(cfg).eval()
 

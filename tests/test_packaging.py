@@ -1,4 +1,5 @@
-"""The distribution installs `specblock.{data,train,evaluate,configs}` and no top-level data/train/evaluate."""
+"""The distribution installs `specblock.{data,train,evaluate,configs}` and no top-level
+data/train/evaluate."""
 
 import importlib.util
 import subprocess
@@ -27,14 +28,27 @@ def test_no_top_level_stage_module(name):
     # importable, it must not be one of our folders.
     spec = importlib.util.find_spec(name)
     if spec is not None and spec.origin is not None:
-        assert not Path(spec.origin).resolve().is_relative_to(REPO), f"{name} resolves to our folder {spec.origin}"
+        assert not Path(spec.origin).resolve().is_relative_to(REPO), (
+            f"{name} resolves to our folder {spec.origin}"
+        )
 
 
 def test_wheel_layout(tmp_path):
     """`pip install .` installs what this wheel holds: the stage packages under specblock/, configs with
     their YAML, and nothing at top level but specblock/ and the dist-info."""
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(REPO)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(REPO),
+        ],
         check=True,
         capture_output=True,
     )

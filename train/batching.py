@@ -44,7 +44,11 @@ def shifted_tokens(input_ids: torch.Tensor) -> torch.Tensor:
 
 
 def teacher_and_valid(
-    batch: Mapping[str, torch.Tensor], target_logits: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor, slots: int
+    batch: Mapping[str, torch.Tensor],
+    target_logits: torch.Tensor,
+    d2t: torch.Tensor,
+    t2d: torch.Tensor,
+    slots: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Teacher logits [B, S, K, Vd] and validity [B, S, K] for K slots.
 
@@ -57,7 +61,11 @@ def teacher_and_valid(
     bsz, length, _ = target_logits.shape
     steps = length - 1
     # index of the teacher row for (t, k): t + 1 + k, clamped; out-of-range rows are masked below
-    rows = torch.arange(steps, device=target_logits.device)[:, None] + 1 + torch.arange(slots, device=target_logits.device)
+    rows = (
+        torch.arange(steps, device=target_logits.device)[:, None]
+        + 1
+        + torch.arange(slots, device=target_logits.device)
+    )
     in_range = rows <= length - 1  # [S, K]
     rows = rows.clamp(max=length - 1)
     teacher = target_logits[:, :, d2t][:, rows]  # [B, S, K, Vd]

@@ -59,7 +59,7 @@ class EpochSampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         rng = torch.Generator().manual_seed(self.seed + self.epoch)
-        yield from torch.randperm(self.n, generator=rng)[self.start:].tolist()
+        yield from torch.randperm(self.n, generator=rng)[self.start :].tolist()
 
 
 @dataclass
@@ -157,14 +157,18 @@ def _key_prefix(stored: list[str], inner: set[str], folder: Path) -> str:
     first = stored[0]
     for name in sorted(inner, key=len, reverse=True):
         prefix = first[: len(first) - len(name)]
-        if first.endswith(name) and all(k.startswith(prefix) and k[len(prefix):] in inner for k in stored):
+        if first.endswith(name) and all(k.startswith(prefix) and k[len(prefix) :] in inner for k in stored):
             return prefix
     raise RuntimeError(f"the weights saved in {folder} do not match the drafter's parameter names")
 
 
 def save_checkpoint(
-    accelerator: Accelerator, model: torch.nn.Module, output_dir: str | os.PathLike,
-    progress: TrainProgress, cfg_hash: str, keep_last: int,
+    accelerator: Accelerator,
+    model: torch.nn.Module,
+    output_dir: str | os.PathLike,
+    progress: TrainProgress,
+    cfg_hash: str,
+    keep_last: int,
 ) -> Path:
     """Write `step_XXXXXX/` atomically, then keep only the newest `keep_last` (0: keep all).
 
@@ -179,8 +183,12 @@ def save_checkpoint(
     accelerator.save_state(str(tmp))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        meta = {**progress.state_dict(), "config_hash": cfg_hash, "num_processes": accelerator.num_processes,
-                "weights": _weights_meta(accelerator, model, tmp)}
+        meta = {
+            **progress.state_dict(),
+            "config_hash": cfg_hash,
+            "num_processes": accelerator.num_processes,
+            "weights": _weights_meta(accelerator, model, tmp),
+        }
         (tmp / META).write_text(json.dumps(meta, indent=2) + "\n")
         if final.exists():  # an earlier attempt at this step, e.g. before resuming from an older one
             shutil.rmtree(final)
@@ -228,4 +236,4 @@ def read_model_state(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 
     prefix = weights["key_prefix"]
     state = load_file(str(path / weights["file"]))
-    return {key[len(prefix):]: value for key, value in state.items()}
+    return {key[len(prefix) :]: value for key, value in state.items()}

@@ -55,7 +55,9 @@ class TrainConfig:
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
-    trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(output_dir="checkpoints/debug", max_steps=10))
+    trainer: TrainerConfig = field(
+        default_factory=lambda: TrainerConfig(output_dir="checkpoints/debug", max_steps=10)
+    )
 
     def __post_init__(self):
         if self.resume is not None:
@@ -64,9 +66,13 @@ class TrainConfig:
             raise ValueError(f"features={self.features!r} is not one of {FEATURE_MODES}")
         if self.features == "offline" and not self.data.features.enabled:
             raise ValueError("features=offline needs the data stage's cache: set data.features.enabled=true")
-        if self.drafter.name == "specblock" and list(self.loss.rank_buckets) != list(self.drafter.rank_buckets):
-            raise ValueError(f"loss.rank_buckets {list(self.loss.rank_buckets)} must equal drafter.rank_buckets "
-                             f"{self.drafter.rank_buckets}: the rank head predicts those classes")
+        if self.drafter.name == "specblock" and list(self.loss.rank_buckets) != list(
+            self.drafter.rank_buckets
+        ):
+            raise ValueError(
+                f"loss.rank_buckets {list(self.loss.rank_buckets)} must equal drafter.rank_buckets "
+                f"{self.drafter.rank_buckets}: the rank head predicts those classes"
+            )
 
 
 def register_configs() -> None:

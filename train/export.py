@@ -29,22 +29,36 @@ from .modeling import DRAFTER_CONFIGS, build_drafter
 EXPORT_FORMAT = "specblock-drafter/1"
 
 
-def export_drafter(module: torch.nn.Module, out_dir: str | Path, *, name: str, drafter_cfg: Any,
-                   target_config: PretrainedConfig, target_id: str, target_revision: str | None,
-                   feature_layers: list[int], card: dict[str, Any] | None = None) -> Path:  # fmt: skip
+def export_drafter(
+    module: torch.nn.Module,
+    out_dir: str | Path,
+    *,
+    name: str,
+    drafter_cfg: Any,
+    target_config: PretrainedConfig,
+    target_id: str,
+    target_revision: str | None,
+    feature_layers: list[int],
+    card: dict[str, Any] | None = None,
+) -> Path:
     """Writes the drafter folder atomically (temporary name, then rename) and returns its path."""
     out_dir = Path(out_dir)
     state = {k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()}
     config = {
-        "format": EXPORT_FORMAT, "architecture": name, "drafter": asdict(drafter_cfg),
-        "block_size": int(module.block_size), "draft_vocab_size": int(module.d2t.numel()),
+        "format": EXPORT_FORMAT,
+        "architecture": name,
+        "drafter": asdict(drafter_cfg),
+        "block_size": int(module.block_size),
+        "draft_vocab_size": int(module.d2t.numel()),
         "feature_layers": list(feature_layers),
         "target": {"id": target_id, "revision": target_revision, "config": target_config.to_dict()},
-    }  # fmt: skip
+    }
     with atomic_path(out_dir) as tmp:
         tmp.mkdir()
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": EXPORT_FORMAT})
-        save_file({"d2t": state["d2t"], "t2d": state["t2d"].to(torch.uint8)}, str(tmp / "vocab_map.safetensors"))
+        save_file(
+            {"d2t": state["d2t"], "t2d": state["t2d"].to(torch.uint8)}, str(tmp / "vocab_map.safetensors")
+        )
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         (tmp / "README.md").write_text(model_card(config, card or {}))
     return out_dir
@@ -54,21 +68,35 @@ def model_card(config: dict[str, Any], card: dict[str, Any]) -> str:
     metrics = card.get("metrics", {})
     acc = {k: v for k, v in sorted(metrics.items()) if "top1_" in k and "/" not in k.removeprefix("train/")}
     lines = [
-        f"# {config['architecture']} drafter for {config['target']['id']}", "",
+        f"# {config['architecture']} drafter for {config['target']['id']}",
+        "",
         f"A speculative-decoding drafter made by specblock ({EXPORT_FORMAT}): K = {config['block_size']} "
         f"draft positions per forward, draft vocabulary {config['draft_vocab_size']}, target feature layers "
-        f"{config['feature_layers']} (hidden_states indices).", "",
-        "## Training", "",
-        f"- data: {card.get('data', 'n/a')}", f"- steps: {card.get('steps', 'n/a')}",
-        f"- run config: {card.get('run', 'n/a')}", "",
-        "## Measured (last logging window of training; teacher-forced)", "",
-        "| metric | value |", "|---|---|",
-    ]  # fmt: skip
+        f"{config['feature_layers']} (hidden_states indices).",
+        "",
+        "## Training",
+        "",
+        f"- data: {card.get('data', 'n/a')}",
+        f"- steps: {card.get('steps', 'n/a')}",
+        f"- run config: {card.get('run', 'n/a')}",
+        "",
+        "## Measured (last logging window of training; teacher-forced)",
+        "",
+        "| metric | value |",
+        "|---|---|",
+    ]
     accept = metrics.get("train/accept_len")
-    lines.append(f"| simulated acceptance length (draft tokens per block, greedy) | {accept:.3f} |" if accept is not None
-                 else "| simulated acceptance length | n/a |")  # fmt: skip
+    lines.append(
+        f"| simulated acceptance length (draft tokens per block, greedy) | {accept:.3f} |"
+        if accept is not None
+        else "| simulated acceptance length | n/a |"
+    )
     lines += [f"| {k.removeprefix('train/')} | {v:.3f} |" for k, v in acc.items()]
-    lines += ["", "Load with `specblock.train.export.load_drafter(folder)`; the target is not needed to load it.", ""]
+    lines += [
+        "",
+        "Load with `specblock.train.export.load_drafter(folder)`; the target is not needed to load it.",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -77,7 +105,9 @@ def load_drafter(folder: str | Path) -> tuple[torch.nn.Module, dict[str, Any]]:
     folder = Path(folder)
     config = json.loads((folder / "config.json").read_text())
     if config.get("format") != EXPORT_FORMAT:
-        raise ValueError(f"{folder / 'config.json'}: format {config.get('format')!r}, expected {EXPORT_FORMAT!r}")
+        raise ValueError(
+            f"{folder / 'config.json'}: format {config.get('format')!r}, expected {EXPORT_FORMAT!r}"
+        )
     name = config["architecture"]
     target_dict = dict(config["target"]["config"])
     target_config = AutoConfig.for_model(target_dict.pop("model_type"), **target_dict)
@@ -86,11 +116,15 @@ def load_drafter(folder: str | Path) -> tuple[torch.nn.Module, dict[str, Any]]:
     return module.eval(), config
 
 
-def rebuild_drafter(name: str, drafter_cfg: Any, target_config: PretrainedConfig, state: dict[str, torch.Tensor]):
-    """A fresh drafter holding `state` (a full state dict, e.g. merged from ZeRO-3 shards): no target needed."""
+def rebuild_drafter(
+    name: str, drafter_cfg: Any, target_config: PretrainedConfig, state: dict[str, torch.Tensor]
+):
+    """A fresh drafter holding `state` (a full state dict, e.g. merged from ZeRO-3 shards); the
+    target is not needed."""
     vocab, hidden = target_config.vocab_size, target_config.hidden_size
-    module = build_drafter(name, drafter_cfg, target_config, torch.zeros(vocab, hidden), torch.zeros(vocab, hidden),
-                           state["d2t"])  # fmt: skip
+    module = build_drafter(
+        name, drafter_cfg, target_config, torch.zeros(vocab, hidden), torch.zeros(vocab, hidden), state["d2t"]
+    )
     module.load_state_dict(state, strict=True)
     return module
 

@@ -345,14 +345,19 @@ def _check_shapes(
     draft_logits: Tensor, teacher_logits: Tensor, valid: Tensor, rank_logits: Tensor | None, n_classes: int
 ) -> None:
     if draft_logits.dim() != 4 or teacher_logits.shape != draft_logits.shape:
-        raise ValueError(f"draft/teacher logits must both be [B,S,K,V], got {tuple(draft_logits.shape)} "
-                         f"and {tuple(teacher_logits.shape)}")
+        raise ValueError(
+            f"draft/teacher logits must both be [B,S,K,V], got {tuple(draft_logits.shape)} "
+            f"and {tuple(teacher_logits.shape)}"
+        )
     if valid.shape != draft_logits.shape[:-1] or valid.dtype != torch.bool:
-        raise ValueError(f"valid must be bool [B,S,K]={tuple(draft_logits.shape[:-1])}, got "
-                         f"{valid.dtype} {tuple(valid.shape)}")
+        raise ValueError(
+            f"valid must be bool [B,S,K]={tuple(draft_logits.shape[:-1])}, got "
+            f"{valid.dtype} {tuple(valid.shape)}"
+        )
     if rank_logits is not None and rank_logits.shape != (*valid.shape, n_classes):
-        raise ValueError(f"rank logits must be [B,S,K,{n_classes}] (len(rank_buckets)+1), got "
-                         f"{tuple(rank_logits.shape)}")
+        raise ValueError(
+            f"rank logits must be [B,S,K,{n_classes}] (len(rank_buckets)+1), got {tuple(rank_logits.shape)}"
+        )
 
 
 def specblock_loss(

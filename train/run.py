@@ -54,8 +54,14 @@ def build(cfg: TrainConfig):
     d2t = draft_vocab(rows, target.config.vocab_size, cfg.drafter.draft_vocab_size)
     drafter_cfg = cfg.drafter.specific(num_feature_layers=len(layers))
     torch.manual_seed(cfg.trainer.seed)  # the drafter's initial weights depend on the seed alone
-    module = build_drafter(cfg.drafter.name, drafter_cfg, target.config, target.get_input_embeddings().weight,
-                           target.get_output_embeddings().weight, d2t)  # fmt: skip
+    module = build_drafter(
+        cfg.drafter.name,
+        drafter_cfg,
+        target.config,
+        target.get_input_embeddings().weight,
+        target.get_output_embeddings().weight,
+        d2t,
+    )
     head = target.get_output_embeddings().weight.detach().clone() if cfg.features == "offline" else None
     teacher = target if cfg.features == "online" else None
     strategy = STRATEGIES[cfg.drafter.name](module, teacher, layers, cfg.loss, cfg.strategy, head)
@@ -68,8 +74,10 @@ def train(cfg: TrainConfig, resolved: dict | None = None) -> dict[str, float]:
     resolved = resolved if resolved is not None else asdict(cfg)
     earlier = list_checkpoints(cfg.trainer.output_dir)
     if earlier and cfg.trainer.resume is None:  # a fresh run would mix its checkpoints with another run's
-        raise FileExistsError(f"{cfg.trainer.output_dir} already holds checkpoints ({earlier[-1].name}); continue "
-                              "with trainer.resume=latest, or pick another run_name / output_dir")
+        raise FileExistsError(
+            f"{cfg.trainer.output_dir} already holds checkpoints ({earlier[-1].name}); continue "
+            "with trainer.resume=latest, or pick another run_name / output_dir"
+        )
     strategy, rows, collate_fn, target_config, drafter_cfg, layers = build(cfg)
     if is_main():
         OmegaConf.save(OmegaConf.create(resolved), Path(cfg.output_dir) / "config.yaml")
@@ -79,12 +87,23 @@ def train(cfg: TrainConfig, resolved: dict | None = None) -> dict[str, float]:
         # the final checkpoint, not strategy.module: under ZeRO-3 the module's parameters stay partitioned
         state = read_model_state(step_dir(cfg.trainer.output_dir, int(metrics["step"])))
         module = rebuild_drafter(cfg.drafter.name, drafter_cfg, target_config, state)
-        card = {"data": f"{cfg.data.corpus.source} ({cfg.data.out_dir}, regenerated={cfg.data.regenerate.enabled})",
-                "steps": metrics.get("step"), "run": cfg.run_name, "metrics": metrics}  # fmt: skip
-        path = export_drafter(module, Path(cfg.output_dir) / "drafter", name=cfg.drafter.name,
-                              drafter_cfg=drafter_cfg, target_config=target_config,
-                              target_id=cfg.data.target.target_id, target_revision=cfg.data.target.revision,
-                              feature_layers=layers, card=card)  # fmt: skip
+        card = {
+            "data": f"{cfg.data.corpus.source} ({cfg.data.out_dir}, regenerated={cfg.data.regenerate.enabled})",
+            "steps": metrics.get("step"),
+            "run": cfg.run_name,
+            "metrics": metrics,
+        }
+        path = export_drafter(
+            module,
+            Path(cfg.output_dir) / "drafter",
+            name=cfg.drafter.name,
+            drafter_cfg=drafter_cfg,
+            target_config=target_config,
+            target_id=cfg.data.target.target_id,
+            target_revision=cfg.data.target.revision,
+            feature_layers=layers,
+            card=card,
+        )
         log0(f"exported drafter: {path}")
     return metrics
 
@@ -100,11 +119,19 @@ def export_from_checkpoint(run_dir: Path, step: str = "latest", out: str | None 
     from .config import register_configs
 
     register_configs()
-    cfg: TrainConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig),
-                                                           OmegaConf.load(run_dir / "config.yaml")))  # fmt: skip
+    cfg: TrainConfig = OmegaConf.to_object(
+        OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.load(run_dir / "config.yaml"))
+    )
     _, _, _, target_config, drafter_cfg, layers = build(cfg)
     path = resolve_resume(step if step == "latest" else str(run_dir / step), cfg.trainer.output_dir)
     module = rebuild_drafter(cfg.drafter.name, drafter_cfg, target_config, read_model_state(path))
-    return export_drafter(module, out or run_dir / "drafter", name=cfg.drafter.name, drafter_cfg=drafter_cfg,
-                          target_config=target_config, target_id=cfg.data.target.target_id,
-                          target_revision=cfg.data.target.revision, feature_layers=layers)  # fmt: skip
+    return export_drafter(
+        module,
+        out or run_dir / "drafter",
+        name=cfg.drafter.name,
+        drafter_cfg=drafter_cfg,
+        target_config=target_config,
+        target_id=cfg.data.target.target_id,
+        target_revision=cfg.data.target.revision,
+        feature_layers=layers,
+    )

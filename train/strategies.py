@@ -31,7 +31,8 @@ class StrategyConfig:
 
 
 def flat_metrics(metrics: dict[str, Tensor], prefix: str = "") -> dict[str, Tensor]:
-    """losses' `<name>_sum`/`<name>_count` (scalars or [K]) -> the trainer's `<name>[_k]/sum|count` scalars."""
+    """losses' `<name>_sum`/`<name>_count` (scalars or [K]) -> the trainer's scalar
+    `<name>[_k]/sum|count` keys."""
     out = {}
     for key, value in metrics.items():
         for suffix, trainer_suffix in (("_sum", SUM_SUFFIX), ("_count", COUNT_SUFFIX)):
@@ -51,8 +52,15 @@ class DistillStrategy:
     teacher: the frozen target (online features) or None (offline: batches carry `features` and
     `last_hidden`, and `head_weight` [V, H] is the target's LM head)."""
 
-    def __init__(self, module: nn.Module, teacher: nn.Module | None, feature_layers: list[int],
-                 loss: LossConfig, cfg: StrategyConfig, head_weight: Tensor | None = None):  # fmt: skip
+    def __init__(
+        self,
+        module: nn.Module,
+        teacher: nn.Module | None,
+        feature_layers: list[int],
+        loss: LossConfig,
+        cfg: StrategyConfig,
+        head_weight: Tensor | None = None,
+    ):
         if teacher is None and head_weight is None:
             raise ValueError("offline features need the target's LM head weight (head_weight)")
         self.module, self.teacher, self.feature_layers = module, teacher, list(feature_layers)
@@ -83,8 +91,15 @@ class DistillStrategy:
         teacher, valid = teacher_and_valid(batch, logits, self.d2t, self.t2d, self.slots + max(offsets))
         total, metrics = 0.0, {}
         for b, (out, off) in enumerate(zip(outputs, offsets)):
-            res = specblock_loss(out.logits, teacher[:, :, off : off + self.slots], valid[:, :, off : off + self.slots],
-                                 out.rank_logits, self.loss_cfg, step, epoch)  # fmt: skip
+            res = specblock_loss(
+                out.logits,
+                teacher[:, :, off : off + self.slots],
+                valid[:, :, off : off + self.slots],
+                out.rank_logits,
+                self.loss_cfg,
+                step,
+                epoch,
+            )
             total = total + res.loss
             metrics.update(flat_metrics(res.metrics, prefix="" if b == 0 else f"block{b}/"))
             metrics[f"{SCALAR_PREFIX}loss_block{b}"] = res.loss.detach()
@@ -102,12 +117,18 @@ class DistillStrategy:
         if "features" in batch:  # offline: logits recomputed through the frozen LM head
             head = self.head_weight.to(batch["last_hidden"].device, torch.float32)
             return batch["features"].to(dtype), batch["last_hidden"].float() @ head.T
-        out = self.teacher(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                           output_hidden_states=True, use_cache=False)  # fmt: skip
+        out = self.teacher(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            output_hidden_states=True,
+            use_cache=False,
+        )
         features = torch.cat([out.hidden_states[i] for i in self.feature_layers], dim=-1)
         return features.to(dtype), out.logits.float()
 
-    def draft(self, features: Tensor, tokens: Tensor, attention: Tensor, step: int) -> tuple[list[DrafterOutput], list[int]]:
+    def draft(
+        self, features: Tensor, tokens: Tensor, attention: Tensor, step: int
+    ) -> tuple[list[DrafterOutput], list[int]]:
         """Drafter outputs and the token offset of each block."""
         return [self.module(features, tokens, attention_mask=attention)], [0]
 

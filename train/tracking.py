@@ -88,8 +88,13 @@ def accelerate_log_with(kind: str) -> str | None:
 
 
 def make_tracker(
-    kind: str, accelerator=None, *, project: str = "", run_name: str = "",
-    config: Mapping[str, Any] | None = None, log_dir: Path | None = None,
+    kind: str,
+    accelerator=None,
+    *,
+    project: str = "",
+    run_name: str = "",
+    config: Mapping[str, Any] | None = None,
+    log_dir: Path | None = None,
 ) -> NullTracker | WandbTracker:
     """`NullTracker()` for "none" (wandb is not imported); otherwise a `WandbTracker`."""
     if accelerate_log_with(kind) is None:

@@ -34,7 +34,12 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
 from .checkpoint import (
-    EpochSampler, TrainProgress, config_hash, load_checkpoint, micro_batch_stream, resolve_resume,
+    EpochSampler,
+    TrainProgress,
+    config_hash,
+    load_checkpoint,
+    micro_batch_stream,
+    resolve_resume,
     save_checkpoint,
 )
 from .optim import OptimConfig, build_optimizer, build_scheduler
@@ -98,7 +103,8 @@ def build_accelerator(cfg: TrainerConfig) -> Accelerator:
         mixed_precision=resolve_mixed_precision(cfg.mixed_precision),
         # Each optimizer step draws exactly grad_accum micro-batches, across epoch ends.
         gradient_accumulation_plugin=GradientAccumulationPlugin(
-            num_steps=cfg.grad_accum, sync_with_dataloader=False),
+            num_steps=cfg.grad_accum, sync_with_dataloader=False
+        ),
         step_scheduler_with_optimizer=False,  # one scheduler step per update, not one per rank
         rng_types=[],  # data order comes from EpochSampler; see module docstring
         log_with=accelerate_log_with(cfg.logger),
@@ -111,8 +117,11 @@ def sync_deepspeed_config(accelerator: Accelerator, cfg: TrainerConfig) -> None:
     if accelerator.distributed_type != DistributedType.DEEPSPEED:
         return
     ds = accelerator.state.deepspeed_plugin.deepspeed_config
-    wanted = {"train_micro_batch_size_per_gpu": cfg.micro_batch_size,
-              "gradient_accumulation_steps": cfg.grad_accum, "gradient_clipping": cfg.optim.grad_clip}
+    wanted = {
+        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
+        "gradient_accumulation_steps": cfg.grad_accum,
+        "gradient_clipping": cfg.optim.grad_clip,
+    }
     for key, value in wanted.items():
         if ds.get(key, "auto") not in ("auto", value):
             raise ValueError(f"DeepSpeed config has {key}={ds[key]} but the trainer config says {value}")
@@ -193,7 +202,7 @@ class MetricWindow:
         self.add("loss" + COUNT_SUFFIX, n_items)
         for name, value in out.metrics.items():
             if name.startswith(SCALAR_PREFIX):
-                self.scalars[name[len(SCALAR_PREFIX):]] = self._tensor(value)
+                self.scalars[name[len(SCALAR_PREFIX) :]] = self._tensor(value)
             else:
                 self.add(name, value)
 
@@ -249,19 +258,32 @@ def _total_steps(cfg: TrainerConfig, batches_per_rank: int) -> int:
     return max(1, math.ceil(cfg.epochs * batches_per_rank / cfg.grad_accum))
 
 
-def _prepare(strategy: DrafterStrategy, dataset: Dataset, collate_fn: Callable, cfg: TrainerConfig,
-             run_config: Mapping[str, Any]) -> _Run:
+def _prepare(
+    strategy: DrafterStrategy,
+    dataset: Dataset,
+    collate_fn: Callable,
+    cfg: TrainerConfig,
+    run_config: Mapping[str, Any],
+) -> _Run:
     accelerator = build_accelerator(cfg)
     set_seed(cfg.seed)
     sampler = EpochSampler(len(dataset), cfg.seed)
-    loader = DataLoader(dataset, batch_size=cfg.micro_batch_size, sampler=sampler, drop_last=True,
-                        collate_fn=collate_fn, num_workers=cfg.num_workers,
-                        generator=torch.Generator().manual_seed(cfg.seed))  # keeps the global RNG untouched
+    loader = DataLoader(
+        dataset,
+        batch_size=cfg.micro_batch_size,
+        sampler=sampler,
+        drop_last=True,
+        collate_fn=collate_fn,
+        num_workers=cfg.num_workers,
+        generator=torch.Generator().manual_seed(cfg.seed),
+    )  # keeps the global RNG untouched
     unit = cfg.micro_batch_size * accelerator.num_processes
     batches_per_rank = len(dataset) // unit
     if batches_per_rank == 0:
-        raise ValueError(f"{len(dataset)} samples give no full micro-batch of {cfg.micro_batch_size} "
-                         f"on each of {accelerator.num_processes} ranks")
+        raise ValueError(
+            f"{len(dataset)} samples give no full micro-batch of {cfg.micro_batch_size} "
+            f"on each of {accelerator.num_processes} ranks"
+        )
     total = _total_steps(cfg, batches_per_rank)
     sync_deepspeed_config(accelerator, cfg)
     optimizer = build_optimizer(strategy.module, cfg.optim)
@@ -272,8 +294,19 @@ def _prepare(strategy: DrafterStrategy, dataset: Dataset, collate_fn: Callable, 
     progress = TrainProgress()
     accelerator.register_for_checkpointing(progress, strategy)
     stream = micro_batch_stream(loader, sampler, progress, unit)
-    return _Run(accelerator, cfg, model, optimizer, scheduler, stream, progress, total, batches_per_rank,
-                config_hash(dict(run_config)), _input_dtype(accelerator))
+    return _Run(
+        accelerator,
+        cfg,
+        model,
+        optimizer,
+        scheduler,
+        stream,
+        progress,
+        total,
+        batches_per_rank,
+        config_hash(dict(run_config)),
+        _input_dtype(accelerator),
+    )
 
 
 def _maybe_resume(run: _Run) -> None:
@@ -326,8 +359,11 @@ def _train_step(run: _Run, strategy: DrafterStrategy, window: MetricWindow) -> N
 def _log_metrics(run: _Run, window: MetricWindow) -> dict[str, float]:
     stats = window.reduce(run.accelerator)
     epoch = run.progress.epoch + run.progress.batch_in_epoch / run.batches_per_rank
-    stats.update(epoch=epoch, tokens_seen=float(run.progress.tokens),
-                 peak_mem_gib=peak_memory_gib(run.accelerator.device))  # this rank's peak
+    stats.update(
+        epoch=epoch,
+        tokens_seen=float(run.progress.tokens),
+        peak_mem_gib=peak_memory_gib(run.accelerator.device),
+    )  # this rank's peak
     return {f"train/{k}": v for k, v in stats.items()}
 
 
@@ -335,8 +371,12 @@ def _loop(run: _Run, strategy: DrafterStrategy, tracker) -> dict[str, float]:
     """Steps until `total_steps`, logging every `log_every` and saving every `save_every` and at the end."""
     cfg, metrics = run.cfg, {}
     window = MetricWindow(run.accelerator.device)
-    bar = tqdm(total=run.total_steps, initial=run.progress.step, desc="train",
-               disable=not run.accelerator.is_main_process)
+    bar = tqdm(
+        total=run.total_steps,
+        initial=run.progress.step,
+        desc="train",
+        disable=not run.accelerator.is_main_process,
+    )
     with bar:
         while run.progress.step < run.total_steps:
             strategy.module.train()
@@ -349,13 +389,19 @@ def _loop(run: _Run, strategy: DrafterStrategy, tracker) -> dict[str, float]:
                 bar.set_postfix(loss=f"{metrics['train/loss']:.4f}")
                 window = MetricWindow(run.accelerator.device)
             if (cfg.save_every and step % cfg.save_every == 0) or last:
-                save_checkpoint(run.accelerator, run.model, cfg.output_dir, run.progress, run.cfg_hash,
-                                cfg.keep_last)
+                save_checkpoint(
+                    run.accelerator, run.model, cfg.output_dir, run.progress, run.cfg_hash, cfg.keep_last
+                )
     return metrics
 
 
-def fit(strategy: DrafterStrategy, train_dataset: Dataset, collate_fn: Callable, cfg: TrainerConfig,
-        run_config: Mapping[str, Any] | None = None) -> dict[str, float]:
+def fit(
+    strategy: DrafterStrategy,
+    train_dataset: Dataset,
+    collate_fn: Callable,
+    cfg: TrainerConfig,
+    run_config: Mapping[str, Any] | None = None,
+) -> dict[str, float]:
     """Train `strategy.module` for `cfg.max_steps` (or `cfg.epochs`) optimizer steps.
 
     `run_config` (default: `asdict(cfg)`) is what the tracker records and the checkpoint hash covers;
@@ -367,13 +413,21 @@ def fit(strategy: DrafterStrategy, train_dataset: Dataset, collate_fn: Callable,
     run_config = run_config if run_config is not None else asdict(cfg)
     teacher = getattr(strategy, "teacher", None)
     run = _prepare(strategy, train_dataset, collate_fn, cfg, run_config)
-    log0(f"training on {run.accelerator.num_processes} process(es), {run.accelerator.distributed_type.value}, "
-         f"mixed precision {run.accelerator.mixed_precision}")
+    log0(
+        f"training on {run.accelerator.num_processes} process(es), {run.accelerator.distributed_type.value}, "
+        f"mixed precision {run.accelerator.mixed_precision}"
+    )
     tracker = NullTracker()
     try:
         _maybe_resume(run)
-        tracker = make_tracker(cfg.logger, run.accelerator, project=cfg.project, run_name=cfg.run_name,
-                               config=run_config, log_dir=Path(cfg.output_dir))
+        tracker = make_tracker(
+            cfg.logger,
+            run.accelerator,
+            project=cfg.project,
+            run_name=cfg.run_name,
+            config=run_config,
+            log_dir=Path(cfg.output_dir),
+        )
         metrics = _loop(run, strategy, tracker)
     finally:
         tracker.finish()

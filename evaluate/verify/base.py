@@ -24,7 +24,9 @@ LawAt = Callable[[tuple[int, ...]], torch.Tensor]
 
 
 class Continuation(Protocol):
-    def __call__(self, prefix: tuple[int, ...], target_probs_at: LawAt, draft_probs_at: LawAt) -> torch.Tensor:
+    def __call__(
+        self, prefix: tuple[int, ...], target_probs_at: LawAt, draft_probs_at: LawAt
+    ) -> torch.Tensor:
         """The [V] law the NEXT iteration must verify against after `prefix`.
 
         prefix: tokens from this block's start, beginning with the tokens this iteration emitted.

@@ -80,7 +80,11 @@ def block_verify(
     s = make_sampler(generator, sampler)
     q, p, x = target_probs[0], draft_probs[0], draft_tokens[0]
     run = block_ratios(q, p, x)
-    rows, prefixes = draft_rows(target_probs, draft_probs, draft_tokens.tolist()), [tuple(x[:i].tolist()) for i in range(n)]
+    rows, prefixes = (
+        draft_rows(target_probs, draft_probs, draft_tokens.tolist()),
+        [tuple(x[:i].tolist()) for i in range(n)],
+    )
+
     # h_i = Z_i / (Z_i + 1 - p_i) for i = 1..L-1, h_L = p_L; tau = max{i : eta_i < h_i}, 0 if none.
     # Z_i = sum_x max(p_i q(x|X^i) - p(x|X^i), 0) = p_i S(1 / p_i), the residual mass at position i+1.
     # p_i = 1 gives h_i = 1 (the denominator is Z_i itself, or 0 on a branch of probability 0).

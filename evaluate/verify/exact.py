@@ -114,7 +114,9 @@ class TableModel:
         return torch.tensor(w / w.sum(), dtype=ACC_DTYPE)
 
 
-def sequences(model: Callable[[Prefix], torch.Tensor], length: int, start: Prefix = ()) -> list[tuple[Prefix, float]]:
+def sequences(
+    model: Callable[[Prefix], torch.Tensor], length: int, start: Prefix = ()
+) -> list[tuple[Prefix, float]]:
     """Every continuation z of `length` tokens after `start` with its probability under `model`."""
     out: list[tuple[Prefix, float]] = [((), 1.0)]
     for _ in range(length):
@@ -139,7 +141,9 @@ class Outcome:
     continuation: Any
 
 
-def iteration_outcomes(verifier: Verifier, target_at, draft_at, num_drafts: int, length: int) -> list[Outcome]:
+def iteration_outcomes(
+    verifier: Verifier, target_at, draft_at, num_drafts: int, length: int
+) -> list[Outcome]:
     """Every (draft tuple, random path) of one verification call, merged by (emitted, continuation)."""
     singles = sequences(draft_at, length)
     merged: dict[tuple, list] = {}

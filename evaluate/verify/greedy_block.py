@@ -147,7 +147,9 @@ class RGBVContinuation:
         """Equal keys give equal laws: a stage only matters through its accepted tokens."""
         return (self.horizon, tuple(st.tokens[: st.accepted] for st in self.stages))
 
-    def __call__(self, prefix: tuple[int, ...], target_probs_at: LawAt, draft_probs_at: LawAt) -> torch.Tensor:
+    def __call__(
+        self, prefix: tuple[int, ...], target_probs_at: LawAt, draft_probs_at: LawAt
+    ) -> torch.Tensor:
         prefix = tuple(prefix)
         if len(prefix) >= self.horizon:
             return target_probs_at(prefix)

@@ -19,18 +19,16 @@ from typing import Callable
 
 import torch
 
-from .sampling import ACC_DTYPE
-
 Prefix = tuple[int, ...]
 LawAt = Callable[[Prefix], torch.Tensor]
 
-# Vocabulary-wide work (q - lam p, its positive part and their sum) runs in the probabilities' own
-# dtype, at least float32; every scalar of the acceptance arithmetic (ratios, running products, masses
-# once summed, h_i, coins) is float64, and so is the cumulative sum a token is sampled from. With float64 inputs (the
-# exact tests) everything is float64. With float32 inputs the extra rounding (one subtraction, and a
-# cascade sum of non-negative terms) is of the size of the rounding the inputs already carry, while a
-# float64 copy of each row would cost more than the arithmetic it serves: 19 us instead of 48 us per
-# residual mass at V = 128k on our CPU.
+# Vocabulary-wide work (q - lam p, its positive part and their sum) runs in the probabilities' own dtype, at
+# least float32; every scalar of the acceptance arithmetic (ratios, running products, masses once summed,
+# h_i, coins) is float64, and so is the cumulative sum a token is sampled from. With float64 inputs (the
+# exact tests) everything is float64. With float32 inputs the extra rounding (one subtraction, and a cascade
+# sum of non-negative terms) is of the size of the rounding the inputs already carry, while a float64 copy
+# of each row would cost more than the arithmetic it serves: 19 us instead of 48 us per residual mass at V =
+# 128k on our CPU.
 _SCRATCH: dict[tuple[str, torch.dtype, int], torch.Tensor] = {}
 
 

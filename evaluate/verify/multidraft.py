@@ -75,7 +75,9 @@ def kseq_rule(rows: Rows, y: Prefix, candidates: list[int], s: Sampler):
     if beta <= 0.0 or none <= 0.0:
         return None, q
     accepted = torch.minimum(working(rows.draft_at(y)).to(q.dtype), q / rho).mul_((1.0 - none) / beta)  # m(x)
-    return None, torch.sub(q, accepted).clamp_(min=0)  # p_res = (q - m) / (1 - beta)^k, normalised by the sampler
+    return None, torch.sub(q, accepted).clamp_(
+        min=0
+    )  # p_res = (q - m) / (1 - beta)^k, normalised by the sampler
 
 
 def rrs_rule(rows: Rows, y: Prefix, candidates: list[int], s: Sampler):

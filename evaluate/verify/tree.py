@@ -103,7 +103,9 @@ def verify_tree(
     if mode == "sampled" and draft_probs is None:
         raise ValueError("mode 'sampled' needs draft_probs: the law each node's children were drawn from")
     if target_probs.shape[0] != len(tree.parents):
-        raise ValueError(f"target_probs has {target_probs.shape[0]} rows for a tree of {len(tree.parents)} nodes")
+        raise ValueError(
+            f"target_probs has {target_probs.shape[0]} rows for a tree of {len(tree.parents)} nodes"
+        )
     s, rule, kids = make_sampler(generator, sampler), _RULES[mode], tree.children()
     node, path = 0, []
     while True:

@@ -5,12 +5,24 @@ import torch
 from tokenizers import Tokenizer, models
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from specblock.data.capture import (CaptureConfig, CaptureTooLargeError, bytes_per_token, capture_features,
-                                    load_feature_rows)
+from specblock.data.capture import (
+    CaptureConfig,
+    CaptureTooLargeError,
+    bytes_per_token,
+    capture_features,
+    load_feature_rows,
+)
 from specblock.data.errors import BadInputError
 from specblock.data.io import sha256_file
-from specblock.data.manifest import (Manifest, ManifestMismatchError, chat_template_hash, check,
-                                     read_manifest, tokenizer_hash, verify_shards)
+from specblock.data.manifest import (
+    Manifest,
+    ManifestMismatchError,
+    chat_template_hash,
+    check,
+    read_manifest,
+    tokenizer_hash,
+    verify_shards,
+)
 from specblock.data.target import FeatureTarget
 
 VOCAB, HIDDEN, LAYERS = 100, 32, 4
@@ -19,8 +31,15 @@ VOCAB, HIDDEN, LAYERS = 100, 32, 4
 @pytest.fixture(scope="module")
 def target() -> FeatureTarget:
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=LAYERS,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=64,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
     return FeatureTarget(LlamaForCausalLM(config), target_id="tiny-llama")
 
 
@@ -137,8 +156,9 @@ def test_resume_and_rerun_refuse_other_inputs_or_settings(tmp_path, target, toke
         capture_features(target, make_rows(6, seed=1), out, cfg, tokenizer=tokenizer)
     capture_features(target, rows, out, cfg, tokenizer=tokenizer)
     with pytest.raises(ManifestMismatchError, match="dtype: expected 'float16' vs found 'bfloat16'"):
-        capture_features(target, rows, out, CaptureConfig(dtype="float16", batch_size=3, shard_rows=3),
-                         tokenizer=tokenizer)
+        capture_features(
+            target, rows, out, CaptureConfig(dtype="float16", batch_size=3, shard_rows=3), tokenizer=tokenizer
+        )
     shifted = [(t + 1) % VOCAB for t in rows[4]["input_ids"]]
     edited = rows[:4] + [{**rows[4], "input_ids": shifted}] + rows[5:]  # same counts, other ids in shard 1
     with pytest.raises(BadInputError, match="features-00001.safetensors, field 'fingerprint'"):
@@ -162,12 +182,24 @@ def test_capture_config_validates():
 
 
 def test_rows_from_another_tokenizer_are_refused(tmp_path, target, tokenizer):
-    tokens = Manifest(kind="tokens", target_id="tiny-llama", tokenizer_hash=tokenizer_hash(tokenizer),
-                      chat_template_hash=chat_template_hash(tokenizer), max_length=64, dtype="int32")
+    tokens = Manifest(
+        kind="tokens",
+        target_id="tiny-llama",
+        tokenizer_hash=tokenizer_hash(tokenizer),
+        chat_template_hash=chat_template_hash(tokenizer),
+        max_length=64,
+        dtype="int32",
+    )
     other = replace(tokens, tokenizer_hash="0" * 64)
     with pytest.raises(ManifestMismatchError, match="tok/manifest.json manifest does not match") as err:
-        capture_features(target, make_rows(2), tmp_path / "f", tokenizer=tokenizer,
-                         source="tok/manifest.json", tokens_manifest=other)
+        capture_features(
+            target,
+            make_rows(2),
+            tmp_path / "f",
+            tokenizer=tokenizer,
+            source="tok/manifest.json",
+            tokens_manifest=other,
+        )
     assert f"tokenizer_hash: expected '{tokenizer_hash(tokenizer)}' vs found '{'0' * 64}'" in str(err.value)
     out = capture_features(target, make_rows(2), tmp_path / "f", tokenizer=tokenizer, tokens_manifest=tokens)
     assert read_manifest(out).extra["tokens_manifest"] == {"created": tokens.created, "num_samples": 0}

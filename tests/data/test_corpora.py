@@ -179,10 +179,16 @@ def test_hub_ids_go_through_datasets_and_detect_the_schema(monkeypatch):
 
     def fake_load_dataset(source, split):
         calls.append((source, split))
-        return datasets.Dataset.from_list([
-            {"instruction": "Say yes.", "input": None, "output": "Yes."},
-            {"instruction": "Count.", "input": "1, 2", "output": None},  # arrow fills a missing key with None
-        ])
+        return datasets.Dataset.from_list(
+            [
+                {"instruction": "Say yes.", "input": None, "output": "Yes."},
+                {
+                    "instruction": "Count.",
+                    "input": "1, 2",
+                    "output": None,
+                },  # arrow fills a missing key with None
+            ]
+        )
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
     policy = RowPolicy("skip")
@@ -216,5 +222,7 @@ def test_default_source_is_the_packaged_sharegpt_json(tmp_path, monkeypatch):
     assert len(rows) > 20 and policy.skipped["truncated json (the file does not end with ']')"] == 1
     roles = {turn["role"] for _, turns in rows for turn in turns}
     assert roles <= {"system", "user", "assistant"}
-    assert all(turns[-1]["role"] in ("user", "assistant") and any(t["role"] == "assistant" for t in turns)
-               for _, turns in rows)
+    assert all(
+        turns[-1]["role"] in ("user", "assistant") and any(t["role"] == "assistant" for t in turns)
+        for _, turns in rows
+    )

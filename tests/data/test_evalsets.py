@@ -120,10 +120,19 @@ def test_limit_and_seed_are_deterministic_and_independent_of_call_order():
 
 HUB_ROWS = {
     "gsm8k": {"question": "What is 2 + 2?", "answer": "2 + 2 = 4\n#### 4"},
-    "humaneval": {"task_id": "HumanEval/9", "prompt": "def f():\n", "canonical_solution": "    pass\n",
-                  "test": "", "entry_point": "f"},
-    "mgsm": {"question": "Wie viel ist 2 + 2?", "answer": None, "answer_number": 4,
-             "equation_solution": None},
+    "humaneval": {
+        "task_id": "HumanEval/9",
+        "prompt": "def f():\n",
+        "canonical_solution": "    pass\n",
+        "test": "",
+        "entry_point": "f",
+    },
+    "mgsm": {
+        "question": "Wie viel ist 2 + 2?",
+        "answer": None,
+        "answer_number": 4,
+        "equation_solution": None,
+    },
     "lm1b": {"text": "One two three four"},
     "alpaca": {"instruction": "Add the numbers.", "input": "2 and 3", "output": "5", "text": "..."},
 }
@@ -192,8 +201,10 @@ def tiny_tokenizer(chat_template):
 
 
 def test_prompt_ids_use_the_chat_template_or_plain_encoding():
-    template = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
-                "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    template = (
+        "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
     tok = tiny_tokenizer(template)
     chat = EvalPrompt("t", "t/0", [{"role": "user", "content": "Name the"}], None)
     assert prompt_ids(chat, tok) == [1, 5, 6, 2]  # user marker, words, then the opened assistant turn
@@ -217,11 +228,18 @@ GSM = b'{"question": "Q?", "answer": "#### 1"}\n'
 HE = b'{"task_id": "H/0", "prompt": "def f():\\n", "canonical_solution": "  pass\\n"}\n'
 ALPACA = b'{"id": "s0", "instruction": "Do it.", "instances": [{"input": "", "output": "ok"}]}\n'
 # distinct rows, so that a gzip cut 4 bytes into the deflate data loses only the end of the last row
-HE_ROWS = b"".join(b'{"task_id": "H/%d", "prompt": "def f():\\n", "canonical_solution": "  return %d\\n"}\n'
-                   % (i, i * 7) for i in range(3))
+HE_ROWS = b"".join(
+    b'{"task_id": "H/%d", "prompt": "def f():\\n", "canonical_solution": "  return %d\\n"}\n' % (i, i * 7)
+    for i in range(3)
+)
 GZIP_TRAILER = 8  # CRC32 + size
-FILES = {"gsm8k": "gsm8k/test.jsonl", "humaneval": "humaneval/HumanEval.jsonl.gz", "mgsm": "mgsm/mgsm_en.tsv",
-         "lm1b": "lm1b/1b_benchmark.test.tokens", "alpaca": "alpaca/seed_tasks.jsonl"}
+FILES = {
+    "gsm8k": "gsm8k/test.jsonl",
+    "humaneval": "humaneval/HumanEval.jsonl.gz",
+    "mgsm": "mgsm/mgsm_en.tsv",
+    "lm1b": "lm1b/1b_benchmark.test.tokens",
+    "alpaca": "alpaca/seed_tasks.jsonl",
+}
 
 
 def between(good: bytes, bad: bytes) -> bytes:
@@ -232,28 +250,57 @@ def between(good: bytes, bad: bytes) -> bytes:
 # case: (set, file bytes, bad row, field named, problem); every file holds exactly 2 good rows
 BAD_INPUTS = {
     "missing_field": ("gsm8k", between(GSM, b'{"answer": "#### 2"}\n'), 1, "question", "missing field"),
-    "wrong_type": ("gsm8k", between(GSM, b'{"question": 5, "answer": "#### 2"}\n'), 1, "question",
-                   "expected a string, got int"),
+    "wrong_type": (
+        "gsm8k",
+        between(GSM, b'{"question": 5, "answer": "#### 2"}\n'),
+        1,
+        "question",
+        "expected a string, got int",
+    ),
     "no_final_answer": ("gsm8k", between(GSM, b'{"question": "Q", "answer": "2"}\n'), 1, "answer", "####"),
     "not_an_object": ("gsm8k", between(GSM, b'["Q", "#### 2"]\n'), 1, None, "expected a JSON object"),
     "truncated_jsonl": ("gsm8k", GSM * 2 + b'{"question": "Q?", "ans', 2, None, "not valid JSON"),
     "non_utf8": ("gsm8k", between(GSM, b'{"question": "\xff\xfe", "answer": "#### 1"}\n'), 1, None, "UTF-8"),
     "truncated_gzip": ("humaneval", gz(HE_ROWS)[: -GZIP_TRAILER - 4], 2, None, "truncated gzip"),
-    "humaneval_missing_prompt": ("humaneval", gz(between(HE, b'{"task_id": "H/1"}\n')), 1, "prompt",
-                                 "missing field"),
+    "humaneval_missing_prompt": (
+        "humaneval",
+        gz(between(HE, b'{"task_id": "H/1"}\n')),
+        1,
+        "prompt",
+        "missing field",
+    ),
     "tsv_three_columns": ("mgsm", between(b"Q?\t1\n", b"Q two?\t2\textra\n"), 1, None, "got 3"),
     "tsv_one_column": ("mgsm", between(b"Q?\t1\n", b"Q two? 2\n"), 1, None, "got 1"),
-    "tsv_answer_not_a_number": ("mgsm", between(b"Q?\t1\n", b"Q two?\ttwo\n"), 1, "answer_number",
-                                "expected a number"),
+    "tsv_answer_not_a_number": (
+        "mgsm",
+        between(b"Q?\t1\n", b"Q two?\ttwo\n"),
+        1,
+        "answer_number",
+        "expected a number",
+    ),
     "tsv_non_utf8": ("mgsm", between(b"Q?\t1\n", b"Q \xe9?\t2\n"), 1, None, "UTF-8"),
     "lm1b_non_utf8": ("lm1b", between(b"a b c .\n", b"\x80 d e\n"), 1, None, "UTF-8"),
-    "alpaca_no_instances": ("alpaca", between(ALPACA, b'{"instruction": "X"}\n'), 1, "instances",
-                            "non-empty list"),
-    "alpaca_empty_instances": ("alpaca", between(ALPACA, b'{"instruction": "X", "instances": []}\n'), 1,
-                               "instances", "non-empty list"),
-    "alpaca_input_wrong_type": ("alpaca", between(
-        ALPACA, b'{"instruction": "X", "instances": [{"input": 3}]}\n'), 1, "instances[0].input",
-        "expected a string"),
+    "alpaca_no_instances": (
+        "alpaca",
+        between(ALPACA, b'{"instruction": "X"}\n'),
+        1,
+        "instances",
+        "non-empty list",
+    ),
+    "alpaca_empty_instances": (
+        "alpaca",
+        between(ALPACA, b'{"instruction": "X", "instances": []}\n'),
+        1,
+        "instances",
+        "non-empty list",
+    ),
+    "alpaca_input_wrong_type": (
+        "alpaca",
+        between(ALPACA, b'{"instruction": "X", "instances": [{"input": 3}]}\n'),
+        1,
+        "instances[0].input",
+        "expected a string",
+    ),
 }
 
 
@@ -283,8 +330,13 @@ def test_whole_file_problems(tmp_path):
 def test_config_is_validated_and_composes_with_omegaconf():
     from omegaconf import OmegaConf
 
-    for bad in (dict(name="squad"), dict(limit=0), dict(on_bad_row="ignore"), dict(languages=[]),
-                dict(languages=["all", "en"])):
+    for bad in (
+        dict(name="squad"),
+        dict(limit=0),
+        dict(on_bad_row="ignore"),
+        dict(languages=[]),
+        dict(languages=["all", "en"]),
+    ):
         with pytest.raises(ValueError):
             EvalSetConfig(**bad)
     override = {"name": "mgsm", "languages": ["all"], "limit": None}

@@ -11,7 +11,9 @@ def test_atomic_path_leaves_nothing_half_written_on_a_crash(tmp_path):
         with atomic_path(target) as tmp:
             tmp.write_text("half")
             raise KeyboardInterrupt
-    assert target.read_text().strip().startswith("{") and sorted(p.name for p in tmp_path.iterdir()) == ["out.json"]
+    assert target.read_text().strip().startswith("{") and sorted(p.name for p in tmp_path.iterdir()) == [
+        "out.json"
+    ]
 
 
 def test_atomic_path_replaces_a_folder(tmp_path):

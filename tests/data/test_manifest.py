@@ -6,19 +6,37 @@ import pytest
 
 from specblock.data import manifest as mf
 from specblock.data.errors import BadInputError
-from specblock.data.manifest import (Manifest, ManifestMismatchError, ShardInfo, chat_template_hash, check,
-                                     code_git_sha, read_manifest, tokenizer_hash, verify_shards,
-                                     write_manifest)
+from specblock.data.manifest import (
+    Manifest,
+    ManifestMismatchError,
+    ShardInfo,
+    chat_template_hash,
+    check,
+    code_git_sha,
+    read_manifest,
+    tokenizer_hash,
+    verify_shards,
+    write_manifest,
+)
 from specblock.data.io import sha256_file
 
 
 def _manifest(tmp_path, **overrides) -> Manifest:
     shard = tmp_path / "features-00000.safetensors"
     shard.write_bytes(b"shard bytes")
-    fields = dict(kind="features", target_id="checkpoints/targets/tiny", tokenizer_hash="ab" * 32,
-                  chat_template_hash="cd" * 32, layer_ids=[2, 3, 4], dtype="bfloat16", max_length=64,
-                  hidden_size=32, num_samples=3, num_tokens=40,
-                  shards=[ShardInfo(file=shard.name, rows=3, sha256=sha256_file(shard))])
+    fields = dict(
+        kind="features",
+        target_id="checkpoints/targets/tiny",
+        tokenizer_hash="ab" * 32,
+        chat_template_hash="cd" * 32,
+        layer_ids=[2, 3, 4],
+        dtype="bfloat16",
+        max_length=64,
+        hidden_size=32,
+        num_samples=3,
+        num_tokens=40,
+        shards=[ShardInfo(file=shard.name, rows=3, sha256=sha256_file(shard))],
+    )
     return Manifest(**{**fields, **overrides})
 
 
@@ -40,17 +58,20 @@ def _write_raw(tmp_path, tmp_manifest, **changes):
     (tmp_path / "manifest.json").write_text(json.dumps(raw))
 
 
-@pytest.mark.parametrize("changes, field, problem", [
-    ({"max_length": KeyError}, "max_length", "missing required field"),
-    ({"max_length": "64"}, "max_length", "expected int, found str"),
-    ({"num_samples": True}, "num_samples", "expected int, found bool"),
-    ({"target_revision": 3}, "target_revision", "expected str or null"),
-    ({"layer_ids": [2, "x"]}, "layer_ids", "list of ints"),
-    ({"colour": "red"}, "colour", "unknown field"),
-    ({"version": 99}, "version", "unknown version 99"),
-    ({"shards": [{"file": "a", "rows": "3", "sha256": "x"}]}, "shards[0].rows", "expected int"),
-    ({"shards": [{"file": "a"}]}, "shards[0]", "expected an object with keys"),
-])
+@pytest.mark.parametrize(
+    "changes, field, problem",
+    [
+        ({"max_length": KeyError}, "max_length", "missing required field"),
+        ({"max_length": "64"}, "max_length", "expected int, found str"),
+        ({"num_samples": True}, "num_samples", "expected int, found bool"),
+        ({"target_revision": 3}, "target_revision", "expected str or null"),
+        ({"layer_ids": [2, "x"]}, "layer_ids", "list of ints"),
+        ({"colour": "red"}, "colour", "unknown field"),
+        ({"version": 99}, "version", "unknown version 99"),
+        ({"shards": [{"file": "a", "rows": "3", "sha256": "x"}]}, "shards[0].rows", "expected int"),
+        ({"shards": [{"file": "a"}]}, "shards[0]", "expected an object with keys"),
+    ],
+)
 def test_read_names_the_file_and_the_bad_field(tmp_path, changes, field, problem):
     _write_raw(tmp_path, _manifest(tmp_path), **changes)
     with pytest.raises(BadInputError) as err:

@@ -21,8 +21,16 @@ def setup(tiny_chat, tmp_path):
     model, tok = tiny_chat
     model.save_pretrained(tmp_path / "target")
     tok.save_pretrained(tmp_path / "target")
-    rows = [{"id": f"r{i}", "conversations": [{"from": "human", "value": "what is the cat " * (1 + i)},
-                                               {"from": "gpt", "value": "the cat sat"}]} for i in range(5)]  # fmt: skip
+    rows = [
+        {
+            "id": f"r{i}",
+            "conversations": [
+                {"from": "human", "value": "what is the cat " * (1 + i)},
+                {"from": "gpt", "value": "the cat sat"},
+            ],
+        }
+        for i in range(5)
+    ]
     rows.append({"id": "bad", "conversations": [{"from": "human", "value": 3}]})
     (tmp_path / "corpus.json").write_text(json.dumps(rows))
 
@@ -47,7 +55,9 @@ def test_prepare_end_to_end_then_skip_then_refuse(setup, monkeypatch, capsys):
     data = TokenDataset(result.tokens_dir)
     assert len(data) == result.num_rows == 3
     for row in data:
-        assert row["input_ids"].shape == row["loss_mask"].shape and 0 < int(row["loss_mask"].sum()) < len(row["loss_mask"])
+        assert row["input_ids"].shape == row["loss_mask"].shape and 0 < int(row["loss_mask"].sum()) < len(
+            row["loss_mask"]
+        )
     manifest = read_manifest(result.tokens_dir)
     assert manifest.extra["regenerate"]["enabled"] and manifest.max_length == 64
     assert read_manifest(result.features_dir).kind == "features"

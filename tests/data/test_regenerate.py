@@ -6,8 +6,15 @@ from specblock.data import regenerate as regen
 from specblock.data.regenerate import RegenerateConfig, read_done, regenerate
 
 CONVS = [
-    (f"c{i}", [{"role": "user", "content": "what is the cat"}, {"role": "assistant", "content": "one two"},
-               {"role": "user", "content": "why"}, {"role": "assistant", "content": "three"}])  # fmt: skip
+    (
+        f"c{i}",
+        [
+            {"role": "user", "content": "what is the cat"},
+            {"role": "assistant", "content": "one two"},
+            {"role": "user", "content": "why"},
+            {"role": "assistant", "content": "three"},
+        ],
+    )
     for i in range(7)
 ]
 

@@ -12,26 +12,45 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from specblock.data import target as tg
 from specblock.data.errors import BadInputError
 from specblock.data.manifest import chat_template_hash, tokenizer_hash
-from specblock.data.target import (FeatureTarget, TargetConfig, check_gguf, convert_gguf,
-                                   default_feature_layers, find_packaged_gguf, is_converted, load_target,
-                                   max_logit_difference)
+from specblock.data.target import (
+    FeatureTarget,
+    TargetConfig,
+    check_gguf,
+    convert_gguf,
+    default_feature_layers,
+    find_packaged_gguf,
+    is_converted,
+    load_target,
+    max_logit_difference,
+)
 
 VOCAB = 100
 TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
 # Two shapes: different width, heads and depth; the second ties the LM head to the embeddings.
 SHAPES = {
-    "h32-l4-untied": dict(hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                          tie_word_embeddings=False),
-    "h48-l6-tied": dict(hidden_size=48, num_hidden_layers=6, num_attention_heads=3, num_key_value_heads=1,
-                        tie_word_embeddings=True),
+    "h32-l4-untied": dict(
+        hidden_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    ),
+    "h48-l6-tied": dict(
+        hidden_size=48,
+        num_hidden_layers=6,
+        num_attention_heads=3,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+    ),
 }
 
 
 def tiny_llama(shape: str = "h32-l4-untied", seed: int = 0) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     s = SHAPES[shape]
-    config = LlamaConfig(vocab_size=VOCAB, intermediate_size=2 * s["hidden_size"],
-                         max_position_embeddings=128, **s)
+    config = LlamaConfig(
+        vocab_size=VOCAB, intermediate_size=2 * s["hidden_size"], max_position_embeddings=128, **s
+    )
     return LlamaForCausalLM(config).eval()
 
 
@@ -39,8 +58,9 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     vocab = {f"w{i}": i for i in range(VOCAB)}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="w0", eos_token="w1",
-                                   chat_template=TEMPLATE)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="w0", eos_token="w1", chat_template=TEMPLATE
+    )
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -48,10 +68,17 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-GGUF_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-              "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-              "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-              "ffn_down": "mlp.down_proj"}
+GGUF_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
 
 
 def write_tiny_gguf(model: LlamaForCausalLM, path: Path) -> Path:
@@ -92,8 +119,10 @@ def test_default_feature_layers_follow_the_eagle3_harness():
 def _decoder_outputs(model, input_ids) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """(embedding output, [output of decoder layer 1..N]) recorded with hooks, independent of HF's tuple."""
     seen: list[torch.Tensor] = []
-    hooks = [layer.register_forward_hook(lambda m, i, o: seen.append(o[0] if isinstance(o, tuple) else o))
-             for layer in model.model.layers]
+    hooks = [
+        layer.register_forward_hook(lambda m, i, o: seen.append(o[0] if isinstance(o, tuple) else o))
+        for layer in model.model.layers
+    ]
     embed = []
     hooks.append(model.model.embed_tokens.register_forward_hook(lambda m, i, o: embed.append(o)))
     with torch.no_grad():
@@ -177,8 +206,9 @@ def test_load_target_from_a_folder_in_the_configured_dtype(tmp_path, monkeypatch
     tiny_tokenizer().save_pretrained(folder)
     calls = []
     real = tg.AutoModelForCausalLM.from_pretrained
-    monkeypatch.setattr(tg.AutoModelForCausalLM, "from_pretrained",
-                        lambda *a, **k: calls.append(k) or real(*a, **k))
+    monkeypatch.setattr(
+        tg.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: calls.append(k) or real(*a, **k)
+    )
     model, tokenizer = load_target(TargetConfig(name_or_path=str(folder), dtype="bfloat16"))
     assert model.dtype == torch.bfloat16 and not model.training
     assert not any(p.requires_grad for p in model.parameters())

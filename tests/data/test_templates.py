@@ -76,8 +76,12 @@ def build_tiny_llama3_tokenizer():
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=TINY_VOCAB, special_tokens=LLAMA3_SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=TINY_VOCAB,
+        special_tokens=LLAMA3_SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     texts = [" ".join(t["content"] for t in CHAT)] * 4 + ["user assistant system"]
     backend.train_from_iterator(texts, trainer)
     bos, eos = LLAMA3_SPECIALS[0], LLAMA3_SPECIALS[3]

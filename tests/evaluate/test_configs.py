@@ -5,7 +5,9 @@ from omegaconf import OmegaConf
 
 from specblock.evaluate.config import VerifierConfig
 
-VERIFIER_YAMLS = sorted(p.name for p in files("specblock.configs").joinpath("verifier").iterdir() if p.name.endswith(".yaml"))
+VERIFIER_YAMLS = sorted(
+    p.name for p in files("specblock.configs").joinpath("verifier").iterdir() if p.name.endswith(".yaml")
+)
 
 
 @pytest.mark.parametrize("name", VERIFIER_YAMLS)

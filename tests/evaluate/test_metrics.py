@@ -16,8 +16,16 @@ from specblock.evaluate.metrics import (
 
 def chain_step(acc: Accumulator, dataset: str, accepted: int, draft_len: int = 3) -> None:
     """A chain drafter: one drafter call per draft token, one target call, accepted + 1 tokens emitted."""
-    acc.add_iteration(dataset, "chain", accepted=accepted, emitted=accepted + 1, draft_len=draft_len,
-                      drafter_calls=draft_len, drafter_seconds=0.25, verify_seconds=0.125)
+    acc.add_iteration(
+        dataset,
+        "chain",
+        accepted=accepted,
+        emitted=accepted + 1,
+        draft_len=draft_len,
+        drafter_calls=draft_len,
+        drafter_seconds=0.25,
+        verify_seconds=0.125,
+    )
 
 
 def built() -> Accumulator:

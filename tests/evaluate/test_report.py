@@ -34,8 +34,13 @@ def run(accepts: dict[str, list[int]], K: int = 1, L: int = 3, temperature: floa
 def test_records_carry_config_counts_and_metrics():
     rows = run({"a": [2, 0], "b": [3]})
     assert [(r["dataset"], r["method"]) for r in rows] == [
-        ("a", AUTOREGRESSIVE), ("a", "chain"), ("b", AUTOREGRESSIVE), ("b", "chain"),
-        (OVERALL, AUTOREGRESSIVE), (OVERALL, "chain")]
+        ("a", AUTOREGRESSIVE),
+        ("a", "chain"),
+        ("b", AUTOREGRESSIVE),
+        ("b", "chain"),
+        (OVERALL, AUTOREGRESSIVE),
+        (OVERALL, "chain"),
+    ]
     (overall,) = select(rows, dataset=OVERALL, method="chain")
     assert overall["L"] == 3 and overall["counts"]["iterations"] == 3
     assert overall["metrics"]["tau"] == pytest.approx(5 / 3)
@@ -92,8 +97,9 @@ def sweep() -> list[dict]:
     return rows
 
 
-@pytest.mark.parametrize("x, where", [("K", {"L": 3, "temperature": 0.0}), ("L", {"K": 8}),
-                                      ("temperature", {"K": 16})])
+@pytest.mark.parametrize(
+    "x, where", [("K", {"L": 3, "temperature": 0.0}), ("L", {"K": 8}), ("temperature", {"K": 16})]
+)
 def test_plot_block_efficiency_writes_png(tmp_path, x, where):
     path = tmp_path / f"block_efficiency_vs_{x}.png"
     plot_block_efficiency(select(sweep(), **where), x, path)
@@ -107,7 +113,8 @@ def test_plot_block_efficiency_refuses_mixed_axes(tmp_path):
 
 def test_plot_acceptance_at_writes_png(tmp_path):
     rows = run({"a": [2, 0, 3], "b": [1]}) + [
-        {**r, "method": "chain-long"} for r in run({"a": [5, 2], "b": [4]}, L=6) if r["method"] == "chain"]
+        {**r, "method": "chain-long"} for r in run({"a": [5, 2], "b": [4]}, L=6) if r["method"] == "chain"
+    ]
     path = tmp_path / "acceptance_at.png"
     plot_acceptance_at(rows, path)
     assert path.read_bytes().startswith(PNG_MAGIC) and path.stat().st_size > 1000

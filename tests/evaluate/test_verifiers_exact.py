@@ -29,8 +29,18 @@ from specblock.evaluate.verify.sampling import ACC_DTYPE, backward_scan, make_sa
 TOL = 1e-9
 STOCHASTIC = ["token", "block", "greedy_block", "spectr", "rrs", "spectr_gbv"]
 # (V, K, L, draft sparsity)
-CASES = [(4, 1, 1, 0.0), (4, 1, 2, 0.0), (5, 1, 3, 0.0), (6, 1, 2, 0.0), (4, 2, 1, 0.0), (4, 2, 2, 0.0),
-         (4, 3, 1, 0.0), (4, 2, 3, 0.4), (4, 3, 2, 0.5), (5, 2, 2, 0.3)]  # fmt: skip
+CASES = [
+    (4, 1, 1, 0.0),
+    (4, 1, 2, 0.0),
+    (5, 1, 3, 0.0),
+    (6, 1, 2, 0.0),
+    (4, 2, 1, 0.0),
+    (4, 2, 2, 0.0),
+    (4, 3, 1, 0.0),
+    (4, 2, 3, 0.4),
+    (4, 3, 2, 0.5),
+    (5, 2, 2, 0.3),
+]
 
 
 def models(vocab: int, seed: int, sparsity: float = 0.0, greedy: bool = False):
@@ -44,7 +54,8 @@ def applicable(name: str, k: int) -> bool:
 
 
 @pytest.mark.parametrize(
-    "name,vocab,k,n,sparsity", [(name, *case) for name in STOCHASTIC for case in CASES if applicable(name, case[1])]
+    "name,vocab,k,n,sparsity",
+    [(name, *case) for name in STOCHASTIC for case in CASES if applicable(name, case[1])],
 )
 def test_one_iteration_is_lossless(name, vocab, k, n, sparsity):
     target, draft = models(vocab, seed=vocab * 10 + k * 3 + n, sparsity=sparsity)
@@ -53,7 +64,9 @@ def test_one_iteration_is_lossless(name, vocab, k, n, sparsity):
     assert law_error(iteration_law(outcomes, target, draft, n), target, n + 1) < TOL
 
 
-@pytest.mark.parametrize("name,k", [(name, k) for name in STOCHASTIC + ["greedy"] for k in (1, 2) if applicable(name, k)])
+@pytest.mark.parametrize(
+    "name,k", [(name, k) for name in STOCHASTIC + ["greedy"] for k in (1, 2) if applicable(name, k)]
+)
 def test_temperature_zero_target_is_lossless_and_greedy(name, k):
     target, draft = models(4, seed=7, greedy=True)
     outcomes = iteration_outcomes(get_verifier(name), target, draft, k, 2)
@@ -100,8 +113,12 @@ def closed_form_gbv(target, draft, n):
 @pytest.mark.parametrize("vocab,n", [(4, 2), (5, 3)])
 @pytest.mark.parametrize(
     "name,closed_form",
-    [("token", closed_form_token), ("block", closed_form_block), ("greedy_block", closed_form_gbv),
-     ("spectr_gbv", closed_form_gbv)],  # fmt: skip
+    [
+        ("token", closed_form_token),
+        ("block", closed_form_block),
+        ("greedy_block", closed_form_gbv),
+        ("spectr_gbv", closed_form_gbv),
+    ],
 )
 def test_expected_accepted_length_matches_closed_form(name, closed_form, vocab, n):
     target, draft = models(vocab, seed=11 * vocab + n)

@@ -76,8 +76,10 @@ def make_dataset(n: int = 24, seed: int = 1) -> list[dict[str, torch.Tensor]]:
     """n rows of x [SEQ, DIM] with a mask of random length (so micro-batches hold unequal counts)."""
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(1, SEQ + 1, (n,), generator=g)
-    return [{"x": torch.randn(SEQ, DIM, generator=g), "mask": (torch.arange(SEQ) < int(k)).float()}
-            for k in lengths]
+    return [
+        {"x": torch.randn(SEQ, DIM, generator=g), "mask": (torch.arange(SEQ) < int(k)).float()}
+        for k in lengths
+    ]
 
 
 def collate(rows):
@@ -85,9 +87,17 @@ def collate(rows):
 
 
 def tiny_config(output_dir, **overrides) -> TrainerConfig:
-    base = dict(output_dir=str(output_dir), max_steps=6, micro_batch_size=2, grad_accum=2, save_every=2,
-                keep_last=2, log_every=1, mixed_precision="no",
-                optim=OptimConfig(lr=1e-2, warmup_steps=2, schedule="cosine", grad_clip=1.0))
+    base = dict(
+        output_dir=str(output_dir),
+        max_steps=6,
+        micro_batch_size=2,
+        grad_accum=2,
+        save_every=2,
+        keep_last=2,
+        log_every=1,
+        mixed_precision="no",
+        optim=OptimConfig(lr=1e-2, warmup_steps=2, schedule="cosine", grad_clip=1.0),
+    )
     return TrainerConfig(**{**base, **overrides})
 
 

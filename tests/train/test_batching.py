@@ -4,11 +4,16 @@ from specblock.train.batching import collate, shifted_tokens, teacher_and_valid
 
 
 def test_collate_right_pads():
-    rows = [{"input_ids": torch.tensor([5, 6, 7]), "loss_mask": torch.tensor([0, 1, 1])},
-            {"input_ids": torch.tensor([8]), "loss_mask": torch.tensor([1])}]  # fmt: skip
+    rows = [
+        {"input_ids": torch.tensor([5, 6, 7]), "loss_mask": torch.tensor([0, 1, 1])},
+        {"input_ids": torch.tensor([8]), "loss_mask": torch.tensor([1])},
+    ]
     b = collate(rows, pad_id=0)
     assert b["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
-    assert b["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]] and b["loss_mask"].tolist() == [[0, 1, 1], [1, 0, 0]]
+    assert b["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]] and b["loss_mask"].tolist() == [
+        [0, 1, 1],
+        [1, 0, 0],
+    ]
     assert shifted_tokens(b["input_ids"]).tolist() == [[6, 7], [0, 0]]
 
 
@@ -17,7 +22,10 @@ def test_teacher_rows_and_validity_follow_the_eagle3_alignment():
     logits = torch.zeros(1, T, V)
     for t in range(T):
         logits[0, t, t % V] = 10.0  # the target's argmax at position t is token t % V
-    batch = {"attention_mask": torch.ones(1, T, dtype=torch.long), "loss_mask": torch.tensor([[0, 0, 1, 1, 1, 1]])}
+    batch = {
+        "attention_mask": torch.ones(1, T, dtype=torch.long),
+        "loss_mask": torch.tensor([[0, 0, 1, 1, 1, 1]]),
+    }
     d2t = torch.tensor([0, 1, 2, 3])  # token 4 is outside the draft vocabulary
     t2d = torch.tensor([True, True, True, True, False])
     teacher, valid = teacher_and_valid(batch, logits, d2t, t2d, K)

@@ -58,11 +58,23 @@ def launch(config: str, out: Path, expected_type: str, precision: str, extra_env
     env = {**os.environ, **extra_env, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
     env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
     config_file = REPO / "configs" / "accelerate" / f"{config}.yaml"
-    cmd = [str(ACCELERATE), "launch", "--config_file", str(config_file),
-           "--num_processes", "2", "--main_process_port", str(free_port()),
-           str(WORKER), str(out), expected_type, precision]
-    proc = subprocess.run(cmd, cwd=out.parent, env=env, capture_output=True, text=True,
-                          timeout=LAUNCH_TIMEOUT_S)
+    cmd = [
+        str(ACCELERATE),
+        "launch",
+        "--config_file",
+        str(config_file),
+        "--num_processes",
+        "2",
+        "--main_process_port",
+        str(free_port()),
+        str(WORKER),
+        str(out),
+        expected_type,
+        precision,
+    ]
+    proc = subprocess.run(
+        cmd, cwd=out.parent, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S
+    )
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return [json.loads((out / f"result_rank{rank}.json").read_text()) for rank in range(2)]
 

@@ -42,27 +42,39 @@ def peaked(tokens, sharpness: float = 4.0, noise: float = 0.0) -> torch.Tensor:
 # The constructed case shared by the prefix-mask, metrics and gradient tests: one sequence, K = 4,
 # teacher argmax 1 everywhere; draft tokens say which slots are top-1 correct.
 TEACHER_TOK = torch.ones(1, 5, 4, dtype=torch.long)
-DRAFT_TOK = torch.tensor([[
-    [1, 1, 1, 1],  # all correct                          -> accepts 4
-    [1, 0, 1, 1],  # slot 1 wrong: slot 1 kept, 2-3 masked -> accepts 1
-    [0, 1, 1, 1],  # slot 0 wrong: only slot 0 kept        -> accepts 0
-    [1, 1, 1, 1],  # slot 0 invalid                        -> not a verify step
-    [1, 1, 1, 1],  # slot 1 invalid: breaks the chain      -> accepts 1
-]])
-VALID = torch.tensor([[
-    [True, True, True, True],
-    [True, True, True, True],
-    [True, True, True, True],
-    [False, True, True, True],
-    [True, False, True, True],
-]])
-PREFIX = torch.tensor([[
-    [True, True, True, True],
-    [True, True, False, False],
-    [True, False, False, False],
-    [False, False, False, False],
-    [True, False, False, False],
-]])
+DRAFT_TOK = torch.tensor(
+    [
+        [
+            [1, 1, 1, 1],  # all correct                          -> accepts 4
+            [1, 0, 1, 1],  # slot 1 wrong: slot 1 kept, 2-3 masked -> accepts 1
+            [0, 1, 1, 1],  # slot 0 wrong: only slot 0 kept        -> accepts 0
+            [1, 1, 1, 1],  # slot 0 invalid                        -> not a verify step
+            [1, 1, 1, 1],  # slot 1 invalid: breaks the chain      -> accepts 1
+        ]
+    ]
+)
+VALID = torch.tensor(
+    [
+        [
+            [True, True, True, True],
+            [True, True, True, True],
+            [True, True, True, True],
+            [False, True, True, True],
+            [True, False, True, True],
+        ]
+    ]
+)
+PREFIX = torch.tensor(
+    [
+        [
+            [True, True, True, True],
+            [True, True, False, False],
+            [True, False, False, False],
+            [False, False, False, False],
+            [True, False, False, False],
+        ]
+    ]
+)
 
 
 def case(noise: float = 0.5):
@@ -338,8 +350,9 @@ def test_specblock_loss_with_rank_head_and_gate():
 
 def test_specblock_loss_bf16_inputs():
     draft, teacher, valid = case()
-    ref = specblock_loss(draft.detach().bfloat16().float(), teacher.bfloat16().float(), valid, None,
-                         LossConfig(), step=500)
+    ref = specblock_loss(
+        draft.detach().bfloat16().float(), teacher.bfloat16().float(), valid, None, LossConfig(), step=500
+    )
     draft16 = draft.detach().bfloat16().requires_grad_()
     rank16 = torch.zeros(1, 5, 4, 4, dtype=torch.bfloat16, requires_grad=True)
     out = specblock_loss(draft16, teacher.bfloat16(), valid, rank16, LossConfig(), step=500)

@@ -27,9 +27,16 @@ ATOL = 1e-5
 
 def make_target(hidden, heads, kv, layers, vocab, seed=0):
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
-                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
-                      max_position_embeddings=128, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
     return LlamaForCausalLM(cfg).eval()
 
 
@@ -37,8 +44,14 @@ def make(name, shape="h32", d2t=None, seed=0, **cfg_kwargs):
     """(drafter in eval mode, target model, features [B,T,3H], aligned ids [B,T])."""
     target = make_target(*SHAPES[shape], seed=seed)
     cfg = SpecBlockConfig(**cfg_kwargs) if name == "specblock" else Eagle3Config(**cfg_kwargs)
-    drafter = build_drafter(name, cfg, target.config, target.get_input_embeddings().weight,
-                            target.get_output_embeddings().weight, d2t).eval()
+    drafter = build_drafter(
+        name,
+        cfg,
+        target.config,
+        target.get_input_embeddings().weight,
+        target.get_output_embeddings().weight,
+        d2t,
+    ).eval()
     H, V = target.config.hidden_size, target.config.vocab_size
     return drafter, target, torch.randn(B, T, 3 * H), torch.randint(0, V, (B, T))
 
@@ -131,8 +144,15 @@ def test_registry_builds_both_by_name():
 
 
 def test_qwen3_style_target_with_explicit_head_dim():
-    cfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    cfg = Qwen3Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    )
     emb = torch.randn(64, 32)
     for name in DRAFTERS:
         drafter = build_drafter(name, None, cfg, emb, emb)
@@ -186,7 +206,7 @@ def test_specblock_mask_by_perturbation():
     t, s = 3, 1
     with perturbed_fusion(drafter, [(t, s + 1)]):  # a later slot of the same position
         out = drafter(feats, ids).logits
-    assert same(out[:, : t], base[:, : t]) and same(out[:, t, : s + 1], base[:, t, : s + 1])
+    assert same(out[:, :t], base[:, :t]) and same(out[:, t, : s + 1], base[:, t, : s + 1])
     assert not same(out[:, t, s + 1], base[:, t, s + 1]) and not same(out[:, t + 1, 0], base[:, t + 1, 0])
     later = feats.clone()
     later[:, t + 1] += 1.0  # a later position's condition
@@ -274,8 +294,9 @@ def test_cross_block_inheritance_matches_inference(slots):
         for b, m in enumerate(slots, start=1):
             past = past.crop(len(past) - K + m + 1)  # the source block up to slot m stays visible
             token = shift_left(ids, offsets[b])[:, t]
-            logits, hidden, _, past = drafter.draft_block(hidden[:, m], token, past, position=t,
-                                                          offset=offsets[b], inherited=True)
+            logits, hidden, _, past = drafter.draft_block(
+                hidden[:, m], token, past, position=t, offset=offsets[b], inherited=True
+            )
             assert same(logits, blocks[b].logits[:, t]), (t, b)
 
 

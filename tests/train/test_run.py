@@ -29,23 +29,45 @@ def make_cfg(tiny_chat, tmp_path):
     model.save_pretrained(tmp_path / "target")
     tok.save_pretrained(tmp_path / "target")
     words = "the cat sat on the mat and the dog ran fast".split()
-    rows = [{"id": f"r{i}", "conversations": [{"from": "human", "value": " ".join(words[i % 5 : i % 5 + 4])},
-                                               {"from": "gpt", "value": " ".join(words[(i * 3) % 7 :])}]}
-            for i in range(12)]  # fmt: skip
+    rows = [
+        {
+            "id": f"r{i}",
+            "conversations": [
+                {"from": "human", "value": " ".join(words[i % 5 : i % 5 + 4])},
+                {"from": "gpt", "value": " ".join(words[(i * 3) % 7 :])},
+            ],
+        }
+        for i in range(12)
+    ]
     (tmp_path / "corpus.json").write_text(json.dumps(rows))
 
     def make(name="specblock", out="run", features="online", **trainer):
-        data = PrepareConfig(out_dir=str(tmp_path / "data"), max_length=64,
-                             target=TargetConfig(name_or_path=str(tmp_path / "target"), dtype="float32"),
-                             corpus=CorpusConfig(source=str(tmp_path / "corpus.json")),
-                             regenerate=RegenerateConfig(enabled=False),
-                             features=FeaturesConfig(enabled=features == "offline", max_length=64, dtype="float16"))  # fmt: skip
-        t = dict(output_dir=str(tmp_path / out), max_steps=STEPS, micro_batch_size=4, save_every=3, log_every=1,
-                 mixed_precision="no")  # fmt: skip
-        return TrainConfig(run_name=out, output_dir=str(tmp_path / out), features=features, data=data,
-                           drafter=DrafterConfig(name=name, draft_vocab_size=24, rank_hidden=16, ttt_length=3),
-                           loss=LossConfig(curriculum=CurriculumConfig(end=3), rank_start_step=2),
-                           strategy=StrategyConfig(num_ttt_blocks=2), trainer=TrainerConfig(**{**t, **trainer}))  # fmt: skip
+        data = PrepareConfig(
+            out_dir=str(tmp_path / "data"),
+            max_length=64,
+            target=TargetConfig(name_or_path=str(tmp_path / "target"), dtype="float32"),
+            corpus=CorpusConfig(source=str(tmp_path / "corpus.json")),
+            regenerate=RegenerateConfig(enabled=False),
+            features=FeaturesConfig(enabled=features == "offline", max_length=64, dtype="float16"),
+        )
+        t = dict(
+            output_dir=str(tmp_path / out),
+            max_steps=STEPS,
+            micro_batch_size=4,
+            save_every=3,
+            log_every=1,
+            mixed_precision="no",
+        )
+        return TrainConfig(
+            run_name=out,
+            output_dir=str(tmp_path / out),
+            features=features,
+            data=data,
+            drafter=DrafterConfig(name=name, draft_vocab_size=24, rank_hidden=16, ttt_length=3),
+            loss=LossConfig(curriculum=CurriculumConfig(end=3), rank_start_step=2),
+            strategy=StrategyConfig(num_ttt_blocks=2),
+            trainer=TrainerConfig(**{**t, **trainer}),
+        )
 
     return make
 
@@ -66,7 +88,9 @@ def test_train_export_reload_and_exact_resume(make_cfg, monkeypatch):
     with torch.no_grad():
         features, _ = strategy.target_outputs(batch)
         args = (features[:, :-1], batch["input_ids"][:, 1:], batch["attention_mask"][:, 1:])
-        assert torch.equal(drafter(*args).logits, strategy.module(*args).logits)  # export -> load: same logits
+        assert torch.equal(
+            drafter(*args).logits, strategy.module(*args).logits
+        )  # export -> load: same logits
     reference = params(drafter)
     with pytest.raises(FileExistsError, match="trainer.resume=latest"):  # a fresh run into a used folder
         run_mod.train(make_cfg())
@@ -114,4 +138,9 @@ def test_every_experiment_composes_and_validates(experiment):
     config = OmegaConf.to_object(cfg)
     assert isinstance(config, TrainConfig) and config.trainer.output_dir == config.output_dir
     with initialize_config_module("specblock.configs", version_base=None):
-        assert OmegaConf.to_object(compose("train", overrides=[f"experiment={experiment}", "resume=latest"])).trainer.resume == "latest"
+        assert (
+            OmegaConf.to_object(
+                compose("train", overrides=[f"experiment={experiment}", "resume=latest"])
+            ).trainer.resume
+            == "latest"
+        )

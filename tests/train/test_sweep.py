@@ -1,7 +1,9 @@
 import importlib.util
 from pathlib import Path
 
-spec = importlib.util.spec_from_file_location("sweep", Path(__file__).resolve().parents[2] / "scripts" / "sweep.py")
+spec = importlib.util.spec_from_file_location(
+    "sweep", Path(__file__).resolve().parents[2] / "scripts" / "sweep.py"
+)
 sweep = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(sweep)
 

@@ -37,22 +37,47 @@ def test_accelerate_launch_trains_on_two_cpu_processes(zero, tiny_chat, tmp_path
     model, tok = tiny_chat
     model.save_pretrained(tmp_path / "target")
     tok.save_pretrained(tmp_path / "target")
-    rows = [{"id": str(i), "conversations": [{"from": "human", "value": "what is the cat"},
-                                             {"from": "gpt", "value": "the cat sat on the mat " * (1 + i % 3)}]}
-            for i in range(16)]  # fmt: skip
+    rows = [
+        {
+            "id": str(i),
+            "conversations": [
+                {"from": "human", "value": "what is the cat"},
+                {"from": "gpt", "value": "the cat sat on the mat " * (1 + i % 3)},
+            ],
+        }
+        for i in range(16)
+    ]
     (tmp_path / "corpus.json").write_text(json.dumps(rows))
     out = tmp_path / "run"
-    cmd = [str(ACCELERATE), "launch", "--config_file", str(REPO / "configs/accelerate" / f"{zero}.yaml"),
-           "--main_process_port", str(free_port()), "-m", "specblock.train", "experiment=debug",
-           f"data.target.name_or_path={tmp_path / 'target'}", f"data.corpus.source={tmp_path / 'corpus.json'}",
-           f"data.out_dir={tmp_path / 'data'}", f"output_dir={out}", "drafter.draft_vocab_size=24",
-           "drafter.rank_hidden=16", "trainer.max_steps=4", "trainer.save_every=2", "trainer.log_every=1"]  # fmt: skip
+    cmd = [
+        str(ACCELERATE),
+        "launch",
+        "--config_file",
+        str(REPO / "configs/accelerate" / f"{zero}.yaml"),
+        "--main_process_port",
+        str(free_port()),
+        "-m",
+        "specblock.train",
+        "experiment=debug",
+        f"data.target.name_or_path={tmp_path / 'target'}",
+        f"data.corpus.source={tmp_path / 'corpus.json'}",
+        f"data.out_dir={tmp_path / 'data'}",
+        f"output_dir={out}",
+        "drafter.draft_vocab_size=24",
+        "drafter.rank_hidden=16",
+        "trainer.max_steps=4",
+        "trainer.save_every=2",
+        "trainer.log_every=1",
+    ]
     extra_env, kind = LAUNCHES[zero]
     env = {**os.environ, **extra_env, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
     env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert f"training on 2 process(es), {kind}" in done.stdout + done.stderr
-    assert sorted(p.name for p in out.iterdir() if p.name.startswith("step_")) == ["step_000002", "step_000004"]
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("step_")) == [
+        "step_000002",
+        "step_000004",
+    ]
     drafter, config = load_drafter(out / "drafter")
     assert config["block_size"] == 4 and sum(p.numel() for p in drafter.parameters()) > 0

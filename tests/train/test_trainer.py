@@ -18,8 +18,9 @@ from specblock.train.checkpoint import EpochSampler
 from specblock.train.trainer import TrainerConfig, fit
 
 # The tiny strategy lives next to the distributed worker, which needs it too (no tests package).
-_spec = importlib.util.spec_from_file_location("specblock_tests_dist_worker",
-                                               Path(__file__).with_name("dist_worker.py"))
+_spec = importlib.util.spec_from_file_location(
+    "specblock_tests_dist_worker", Path(__file__).with_name("dist_worker.py")
+)
 tiny = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(tiny)
 
@@ -39,6 +40,7 @@ def params(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 # ---- schedules and optimizer -------------------------------------------------------------------
+
 
 @pytest.mark.parametrize(
     "schedule, min_ratio, expected",
@@ -81,10 +83,16 @@ def test_optim_config_rejects(bad):
         OptimConfig(**bad)
 
 
-@pytest.mark.parametrize("bad", [
-    dict(), dict(max_steps=2, epochs=1.0), dict(max_steps=2, mixed_precision="fp8"),
-    dict(max_steps=2, logger="tensorboard"), dict(max_steps=2, grad_accum=0),
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(),
+        dict(max_steps=2, epochs=1.0),
+        dict(max_steps=2, mixed_precision="fp8"),
+        dict(max_steps=2, logger="tensorboard"),
+        dict(max_steps=2, grad_accum=0),
+    ],
+)
 def test_trainer_config_rejects(bad, tmp_path):
     with pytest.raises(ValueError):
         TrainerConfig(output_dir=str(tmp_path), **bad)
@@ -102,6 +110,7 @@ def test_epoch_sampler_is_seeded_and_starts_midway():
 
 
 # ---- the loop ----------------------------------------------------------------------------------
+
 
 def test_tiny_strategy_satisfies_protocol():
     assert isinstance(tiny.TinyStrategy(), DrafterStrategy)
@@ -222,14 +231,23 @@ def test_strategy_metrics_are_global_ratios(tmp_path):
     s = tiny.TinyStrategy()
     metrics = fit(s, tiny.make_dataset(), tiny.collate, tiny.tiny_config(tmp_path, max_steps=2, log_every=2))
     assert set(metrics) >= {
-        "train/loss", "train/acc", "train/lr", "train/grad_norm", "train/tokens_per_s", "train/peak_mem_gib",
-        "train/epoch", "train/tokens_seen", "train/data_epoch", "step",
+        "train/loss",
+        "train/acc",
+        "train/lr",
+        "train/grad_norm",
+        "train/tokens_per_s",
+        "train/peak_mem_gib",
+        "train/epoch",
+        "train/tokens_seen",
+        "train/data_epoch",
+        "step",
     }
     assert metrics["train/tokens_seen"] == 2 * 2 * 2 * tiny.SEQ  # steps x accumulation x micro-batch x length
     assert 0.0 <= metrics["train/acc"] <= 1.0 and metrics["train/peak_mem_gib"] > 0
 
 
 # ---- trackers ----------------------------------------------------------------------------------
+
 
 def test_logger_none_never_imports_wandb(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` now raises ImportError
@@ -239,28 +257,50 @@ def test_logger_none_never_imports_wandb(tmp_path, monkeypatch):
 
 
 def test_wandb_offline_run_has_logged_keys(tmp_path, monkeypatch):
-    for var, sub in [("WANDB_DIR", "wandb_dir"), ("WANDB_CACHE_DIR", "cache"), ("WANDB_CONFIG_DIR", "config"),
-                     ("WANDB_DATA_DIR", "data")]:
+    for var, sub in [
+        ("WANDB_DIR", "wandb_dir"),
+        ("WANDB_CACHE_DIR", "cache"),
+        ("WANDB_CONFIG_DIR", "config"),
+        ("WANDB_DATA_DIR", "data"),
+    ]:
         monkeypatch.setenv(var, str(tmp_path / sub))
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     cfg = tiny.tiny_config(tmp_path / "run", max_steps=2, logger="wandb", run_name="tiny-run")
-    fit(tiny.TinyStrategy(), tiny.make_dataset(), tiny.collate, cfg,
-        run_config={"trainer": {"micro_batch_size": 2}, "hub_token": "hf_SECRET_VALUE"})
+    fit(
+        tiny.TinyStrategy(),
+        tiny.make_dataset(),
+        tiny.collate,
+        cfg,
+        run_config={"trainer": {"micro_batch_size": 2}, "hub_token": "hf_SECRET_VALUE"},
+    )
     runs = list((tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1
     blob = runs[0].read_bytes()  # protobuf records: keys and the config are stored as plain strings
-    for key in ["train/loss", "train/lr", "train/tokens_per_s", "train/peak_mem_gib", "train/acc", "tiny-run",
-                "micro_batch_size"]:
+    for key in [
+        "train/loss",
+        "train/lr",
+        "train/tokens_per_s",
+        "train/peak_mem_gib",
+        "train/acc",
+        "tiny-run",
+        "micro_batch_size",
+    ]:
         assert key.encode() in blob, key
     assert b"hf_SECRET_VALUE" not in blob
 
 
 def test_redact_secrets():
-    cfg = {"wandb_api_key": "x", "l": [{"password": 1}],
-           "a": {"HF_TOKEN": "y", "pad_token": "<pad>", "max_tokens": 3}}
-    assert redact_secrets(cfg) == {"wandb_api_key": "<redacted>", "l": [{"password": "<redacted>"}],
-                                   "a": {"HF_TOKEN": "<redacted>", "pad_token": "<pad>", "max_tokens": 3}}
+    cfg = {
+        "wandb_api_key": "x",
+        "l": [{"password": 1}],
+        "a": {"HF_TOKEN": "y", "pad_token": "<pad>", "max_tokens": 3},
+    }
+    assert redact_secrets(cfg) == {
+        "wandb_api_key": "<redacted>",
+        "l": [{"password": "<redacted>"}],
+        "a": {"HF_TOKEN": "<redacted>", "pad_token": "<pad>", "max_tokens": 3},
+    }
 
 
 def test_only_rank_zero_logs(monkeypatch, caplog):

@@ -30,8 +30,14 @@ DRAFTER_CONFIGS: dict[str, type] = {
 }
 
 
-def build_drafter(name: str, cfg: object | None, target_config: PretrainedConfig, embed_weight: Tensor,
-                  lm_head_weight: Tensor, d2t: Tensor | None = None) -> nn.Module:
+def build_drafter(
+    name: str,
+    cfg: object | None,
+    target_config: PretrainedConfig,
+    embed_weight: Tensor,
+    lm_head_weight: Tensor,
+    d2t: Tensor | None = None,
+) -> nn.Module:
     """The drafter registered as `name`, for a target with this config, embedding [V,H] and LM head
     [V,H]; cfg None = the drafter's default config; d2t None = the full vocabulary."""
     if name not in DRAFTERS:
@@ -44,7 +50,19 @@ def build_drafter(name: str, cfg: object | None, target_config: PretrainedConfig
 
 
 __all__ = [
-    "DRAFTERS", "DRAFTER_CONFIGS", "DraftCache", "DrafterOutput", "Eagle3Config", "Eagle3Drafter",
-    "SpecBlockConfig", "SpecBlockDrafter", "block_offsets", "build_drafter", "build_vocab_map",
-    "count_tokens", "full_vocab_map", "shift_left", "target_to_draft_logits",
+    "DRAFTERS",
+    "DRAFTER_CONFIGS",
+    "DraftCache",
+    "DrafterOutput",
+    "Eagle3Config",
+    "Eagle3Drafter",
+    "SpecBlockConfig",
+    "SpecBlockDrafter",
+    "block_offsets",
+    "build_drafter",
+    "build_vocab_map",
+    "count_tokens",
+    "full_vocab_map",
+    "shift_left",
+    "target_to_draft_logits",
 ]

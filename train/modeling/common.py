@@ -64,12 +64,17 @@ def drafter_layer_config(target_config: PretrainedConfig, num_layers: int) -> Ll
     tc = target_config.get_text_config()
     heads = tc.num_attention_heads
     return LlamaConfig(
-        vocab_size=tc.vocab_size, hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size,
-        num_hidden_layers=num_layers, num_attention_heads=heads,
+        vocab_size=tc.vocab_size,
+        hidden_size=tc.hidden_size,
+        intermediate_size=tc.intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
         num_key_value_heads=getattr(tc, "num_key_value_heads", None) or heads,
         head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // heads,
-        hidden_act=getattr(tc, "hidden_act", "silu"), rms_norm_eps=tc.rms_norm_eps,
-        max_position_embeddings=tc.max_position_embeddings, rope_parameters=_rope_parameters(tc),
+        hidden_act=getattr(tc, "hidden_act", "silu"),
+        rms_norm_eps=tc.rms_norm_eps,
+        max_position_embeddings=tc.max_position_embeddings,
+        rope_parameters=_rope_parameters(tc),
     )
 
 
@@ -88,8 +93,9 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(in_features, self.num_kv * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor, extra: KV | None = None
-                ) -> tuple[Tensor, KV]:
+    def forward(
+        self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor, extra: KV | None = None
+    ) -> tuple[Tensor, KV]:
         """x [B,L,Din]; rope (cos, sin) [B,L,hd]; mask [B|1,1,L,N+L] bool over [extra (N) ; own (L)] keys;
         extra: keys/values [B,Hkv,N,hd] or None. Returns out [B,L,H] and this call's own (k, v)."""
         B, L, _ = x.shape
@@ -99,8 +105,9 @@ class Attention(nn.Module):
         q, k = apply_rotary_pos_emb(q, k, *rope)
         keys, values = (k, v) if extra is None else (torch.cat([extra[0], k], 2), torch.cat([extra[1], v], 2))
         groups = self.num_heads // self.num_kv
-        out = F.scaled_dot_product_attention(q, repeat_kv(keys, groups), repeat_kv(values, groups),
-                                             attn_mask=mask)  # [B,Hq,L,hd]
+        out = F.scaled_dot_product_attention(
+            q, repeat_kv(keys, groups), repeat_kv(values, groups), attn_mask=mask
+        )  # [B,Hq,L,hd]
         return self.o_proj(out.transpose(1, 2).reshape(B, L, -1)), (k, v)
 
 
@@ -114,13 +121,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
 
-    def forward(self, h: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor, extra: KV | None = None
-                ) -> tuple[Tensor, KV]:
+    def forward(
+        self, h: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor, extra: KV | None = None
+    ) -> tuple[Tensor, KV]:
         """h [B,L,H] -> (h [B,L,H], own kv)."""
         return self.attend(h, self.input_layernorm(h), rope, mask, extra)
 
-    def attend(self, residual: Tensor, attn_in: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor,
-               extra: KV | None) -> tuple[Tensor, KV]:
+    def attend(
+        self, residual: Tensor, attn_in: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor, extra: KV | None
+    ) -> tuple[Tensor, KV]:
         out, kv = self.self_attn(attn_in, rope, mask, extra)
         h = residual + out
         return h + self.mlp(self.post_attention_layernorm(h)), kv
@@ -136,8 +145,15 @@ def cat_kv(a: list[KV] | None, b: list[KV]) -> list[KV]:
 # ---------------------------------------------------------------- masks
 
 
-def slot_mask(T: int, K: int, key_valid: Tensor | None = None, *, earlier: bool, same_slots: int | None,
-              device: torch.device | None = None) -> Tensor:
+def slot_mask(
+    T: int,
+    K: int,
+    key_valid: Tensor | None = None,
+    *,
+    earlier: bool,
+    same_slots: int | None,
+    device: torch.device | None = None,
+) -> Tensor:
     """Boolean mask [B|1, 1, T*K, T*K] between two flat blocks of T positions x K slots.
 
     Query (t, s) may see key (t', k') iff
@@ -207,8 +223,11 @@ class DraftCache:
     def key_mask(self, own: Tensor) -> Tensor:
         """own [B|1,1,L,L] mask among the new entries -> [B,1,L,N+L] over [cache ; new]."""
         B, L = self.keys[0].shape[0], own.shape[-1]
-        vis = self.visible if self.visible is not None else torch.ones(B, len(self), dtype=torch.bool,
-                                                                       device=own.device)
+        vis = (
+            self.visible
+            if self.visible is not None
+            else torch.ones(B, len(self), dtype=torch.bool, device=own.device)
+        )
         return torch.cat([vis[:, None, None, :].expand(B, 1, L, len(self)), own.expand(B, 1, L, L)], dim=-1)
 
     def append(self, kv: list[KV]) -> DraftCache:

@@ -50,8 +50,10 @@ class Eagle3Config:
 
     def __post_init__(self):
         if self.ttt_length < 1 or self.num_feature_layers < 1:
-            raise ValueError(f"ttt_length and num_feature_layers must be >= 1, got {self.ttt_length}, "
-                             f"{self.num_feature_layers}")
+            raise ValueError(
+                f"ttt_length and num_feature_layers must be >= 1, got {self.ttt_length}, "
+                f"{self.num_feature_layers}"
+            )
 
 
 class Eagle3Layer(DecoderLayer):
@@ -61,8 +63,9 @@ class Eagle3Layer(DecoderLayer):
         super().__init__(cfg, attn_in=2 * cfg.hidden_size)
         self.hidden_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
-    def forward(self, emb: Tensor, h: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor,
-                extra: KV | None = None) -> tuple[Tensor, KV]:
+    def forward(
+        self, emb: Tensor, h: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor, extra: KV | None = None
+    ) -> tuple[Tensor, KV]:
         """emb, h [B,L,H] -> (h [B,L,H], own kv)."""
         x = torch.cat([self.input_layernorm(emb), self.hidden_norm(h)], dim=-1)  # [B,L,2H]
         return self.attend(h, x, rope, mask, extra)
@@ -71,8 +74,14 @@ class Eagle3Layer(DecoderLayer):
 class Eagle3Drafter(nn.Module):
     """See the module docstring. Built from the target's config, embedding [V,H], LM head [V,H] and d2t."""
 
-    def __init__(self, cfg: Eagle3Config, target_config: PretrainedConfig, embed_weight: Tensor,
-                 lm_head_weight: Tensor, d2t: Tensor | None = None):
+    def __init__(
+        self,
+        cfg: Eagle3Config,
+        target_config: PretrainedConfig,
+        embed_weight: Tensor,
+        lm_head_weight: Tensor,
+        d2t: Tensor | None = None,
+    ):
         super().__init__()
         lcfg = drafter_layer_config(target_config, 1)
         H, V = lcfg.hidden_size, lcfg.vocab_size
@@ -90,8 +99,13 @@ class Eagle3Drafter(nn.Module):
         self.register_buffer("d2t", d2t)
         self.register_buffer("t2d", t2d_from_d2t(d2t, V))
 
-    def forward(self, features: Tensor, input_ids: Tensor, attention_mask: Tensor | None = None,
-                position_offset: int = 0) -> DrafterOutput:
+    def forward(
+        self,
+        features: Tensor,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        position_offset: int = 0,
+    ) -> DrafterOutput:
         """features [B,T,F*H]; input_ids [B,T] aligned; attention_mask [B,T] -> logits [B,T,K,Vd],
         hidden [B,T,K,H] (step k's layer output), rank_logits None."""
         B, T, _ = features.shape
@@ -109,14 +123,22 @@ class Eagle3Drafter(nn.Module):
         hidden = torch.stack(states, dim=2)  # [B,T,K,H]
         return DrafterOutput(logits=self.lm_head(self.norm(hidden)), hidden=hidden, rank_logits=None)
 
-    def _step(self, h: Tensor, tokens: Tensor, pos: Tensor, mask: Tensor, extra: list[KV] | None
-              ) -> tuple[Tensor, KV]:
+    def _step(
+        self, h: Tensor, tokens: Tensor, pos: Tensor, mask: Tensor, extra: list[KV] | None
+    ) -> tuple[Tensor, KV]:
         """h [B,L,H], tokens [B,L], pos [B,L], mask [B,1,L,E+L] -> (h [B,L,H], kv [B,Hkv,L,hd])."""
         emb = self.embed_tokens(tokens).to(h.dtype)
         return self.midlayer(emb, h, self.rotary(h, pos), mask, None if extra is None else extra[0])
 
-    def draft_step(self, condition: Tensor, token: Tensor, past: DraftCache | None = None, *,
-                   position: int | Tensor = 0, inherited: bool = False) -> tuple[Tensor, Tensor, DraftCache]:
+    def draft_step(
+        self,
+        condition: Tensor,
+        token: Tensor,
+        past: DraftCache | None = None,
+        *,
+        position: int | Tensor = 0,
+        inherited: bool = False,
+    ) -> tuple[Tensor, Tensor, DraftCache]:
         """One drafting step per row that sees every visible cache entry and itself.
         condition [B,F*H] target features (step 0, at context position t: position = t, past = step-0
         entries of positions < t) or [B,H] the previous step's hidden (inherited=True, position = t+s,

@@ -72,8 +72,10 @@ class SpecBlockConfig:
     def __post_init__(self):
         self.rank_buckets = list(self.rank_buckets)
         if self.block_size < 1 or self.num_layers < 1 or self.num_feature_layers < 1:
-            raise ValueError("block_size, num_layers and num_feature_layers must be >= 1, got "
-                             f"{self.block_size}, {self.num_layers}, {self.num_feature_layers}")
+            raise ValueError(
+                "block_size, num_layers and num_feature_layers must be >= 1, got "
+                f"{self.block_size}, {self.num_layers}, {self.num_feature_layers}"
+            )
         b = self.rank_buckets
         if not b or b[0] < 1 or any(x >= y for x, y in zip(b, b[1:])):
             raise ValueError(f"rank_buckets must be strictly increasing ranks >= 1, got {b}")
@@ -160,8 +162,14 @@ def block_offsets(source_slots: Sequence[int]) -> list[int]:
 class SpecBlockDrafter(nn.Module):
     """See the module docstring. Built from the target's config, embedding [V,H], LM head [V,H] and d2t."""
 
-    def __init__(self, cfg: SpecBlockConfig, target_config: PretrainedConfig, embed_weight: Tensor,
-                 lm_head_weight: Tensor, d2t: Tensor | None = None):
+    def __init__(
+        self,
+        cfg: SpecBlockConfig,
+        target_config: PretrainedConfig,
+        embed_weight: Tensor,
+        lm_head_weight: Tensor,
+        d2t: Tensor | None = None,
+    ):
         super().__init__()
         lcfg = drafter_layer_config(target_config, cfg.num_layers)
         H, V = lcfg.hidden_size, lcfg.vocab_size
@@ -188,9 +196,14 @@ class SpecBlockDrafter(nn.Module):
 
     # ------------------------------------------------------------ training
 
-    def forward(self, features: Tensor, input_ids: Tensor, attention_mask: Tensor | None = None,
-                position_offset: int = 0, source_slots: Sequence[int] | None = None
-                ) -> DrafterOutput | list[DrafterOutput]:
+    def forward(
+        self,
+        features: Tensor,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        position_offset: int = 0,
+        source_slots: Sequence[int] | None = None,
+    ) -> DrafterOutput | list[DrafterOutput]:
         """Block 1. features [B,T,F*H]; input_ids [B,T] aligned (= the target's tokens t+1);
         attention_mask [B,T] (1 = real token) -> logits [B,T,K,Vd], hidden [B,T,K,H], rank [B,T,K,C].
         With source_slots (even empty): forward_blocks' list, through forward so that DDP / DeepSpeed
@@ -198,8 +211,14 @@ class SpecBlockDrafter(nn.Module):
         blocks = self.forward_blocks(features, input_ids, attention_mask, source_slots or (), position_offset)
         return blocks[0] if source_slots is None else blocks
 
-    def forward_blocks(self, features: Tensor, input_ids: Tensor, attention_mask: Tensor | None = None,
-                       source_slots: Sequence[int] = (), position_offset: int = 0) -> list[DrafterOutput]:
+    def forward_blocks(
+        self,
+        features: Tensor,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        source_slots: Sequence[int] = (),
+        position_offset: int = 0,
+    ) -> list[DrafterOutput]:
         """Block 1, then one more block per entry m of source_slots, started from slot m of the block
         before (multi-block TTT, teacher-forced tokens). Block b's offset is block_offsets(...)[b]."""
         B, T, _ = features.shape
@@ -221,14 +240,16 @@ class SpecBlockDrafter(nn.Module):
         return outputs
 
     def _mask(self, T: int, valid: Tensor | None, *, earlier: bool, same_slots: int | None, B: int) -> Tensor:
-        mask = slot_mask(T, self.block_size, valid, earlier=earlier, same_slots=same_slots,
-                         device=self.d2t.device)
+        mask = slot_mask(
+            T, self.block_size, valid, earlier=earlier, same_slots=same_slots, device=self.d2t.device
+        )
         return mask.expand(B, -1, -1, -1)  # [B,1,TK,TK]
 
     # ------------------------------------------------------------ shared trunk and heads
 
-    def _block(self, cond: Tensor, tokens: Tensor, pos: Tensor, mask: Tensor, extra: list[KV] | None
-               ) -> tuple[Tensor, list[KV]]:
+    def _block(
+        self, cond: Tensor, tokens: Tensor, pos: Tensor, mask: Tensor, extra: list[KV] | None
+    ) -> tuple[Tensor, list[KV]]:
         """cond [B,N,H], tokens [B,N], pos [B,N] RoPE id of slot 0, mask [B,1,NK,E+NK], extra: per-layer
         KV of E earlier entries -> hidden [B,N,K,H] (pre-norm), this block's per-layer KV [B,Hkv,NK,hd]."""
         B, N, H = cond.shape
@@ -252,9 +273,16 @@ class SpecBlockDrafter(nn.Module):
 
     # ------------------------------------------------------------ inference
 
-    def extend(self, condition: Tensor, tokens: Tensor, past: DraftCache | None = None, *,
-               position: int | Tensor = 0, offset: int = 0, inherited: bool = False
-               ) -> tuple[DrafterOutput, DraftCache]:
+    def extend(
+        self,
+        condition: Tensor,
+        tokens: Tensor,
+        past: DraftCache | None = None,
+        *,
+        position: int | Tensor = 0,
+        offset: int = 0,
+        inherited: bool = False,
+    ) -> tuple[DrafterOutput, DraftCache]:
         """Drafts blocks at N consecutive positions position..position+N-1 that see every visible cache
         entry, the earlier new positions' slots, and their own slots causally.
         condition [B,N,F*H] target features (or [B,N,H] pre-norm drafter hidden if inherited); tokens
@@ -270,16 +298,24 @@ class SpecBlockDrafter(nn.Module):
         hidden, kv = self._block(cond, tokens, pos, mask, extra)
         return self._heads(hidden), DraftCache.from_kv(kv) if past is None else past.append(kv)
 
-    def draft_block(self, condition: Tensor, token: Tensor, past: DraftCache | None = None, *,
-                    position: int | Tensor = 0, offset: int = 0, inherited: bool = False
-                    ) -> tuple[Tensor, Tensor, Tensor, DraftCache]:
+    def draft_block(
+        self,
+        condition: Tensor,
+        token: Tensor,
+        past: DraftCache | None = None,
+        *,
+        position: int | Tensor = 0,
+        offset: int = 0,
+        inherited: bool = False,
+    ) -> tuple[Tensor, Tensor, Tensor, DraftCache]:
         """One block at one position per row. condition [B,F*H] (or [B,H] if inherited), token [B] ->
         logits [B,K,Vd], hidden [B,K,H], rank_logits [B,K,C], cache with the block's K entries appended.
         Block 1 at context position t: past = block-1 entries of positions < t. A block started from
         slot m of the block just drafted: past.crop(len(past) - K + m + 1), condition = its hidden[:, m],
         token = the token chosen at slot m, offset = previous offset + m + 1, inherited=True."""
-        out, past = self.extend(condition[:, None], token[:, None], past, position=position, offset=offset,
-                                inherited=inherited)
+        out, past = self.extend(
+            condition[:, None], token[:, None], past, position=position, offset=offset, inherited=inherited
+        )
         return out.logits[:, 0], out.hidden[:, 0], out.rank_logits[:, 0], past
 
     def _condition(self, condition: Tensor, inherited: bool) -> Tensor:

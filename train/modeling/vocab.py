@@ -76,8 +76,10 @@ def resolve_vocab_map(d2t: Tensor | None, draft_vocab_size: int | None, vocab_si
     the full vocabulary (only allowed when draft_vocab_size is None or V)."""
     if d2t is None:
         if draft_vocab_size not in (None, vocab_size):
-            raise ValueError(f"draft_vocab_size={draft_vocab_size} needs a vocab map: pass d2t from "
-                             "build_vocab_map(token_counts, draft_vocab_size)")
+            raise ValueError(
+                f"draft_vocab_size={draft_vocab_size} needs a vocab map: pass d2t from "
+                "build_vocab_map(token_counts, draft_vocab_size)"
+            )
         return full_vocab_map(vocab_size)[0]
     d2t = d2t.detach().long().cpu()
     check_vocab_map(d2t, vocab_size)
