@@ -117,6 +117,11 @@ def _load_kwargs(cfg: TargetConfig) -> dict:
     return kwargs
 
 
+def load_target_config(cfg: TargetConfig) -> transformers.PretrainedConfig:
+    """The target's model config alone (shapes, RoPE, vocabulary size), without its weights."""
+    return transformers.AutoConfig.from_pretrained(cfg.name_or_path, **_load_kwargs(cfg))
+
+
 def load_tokenizer(cfg: TargetConfig) -> PreTrainedTokenizerBase:
     """The target's tokenizer alone (what a step that needs no forward pass reads)."""
     local = _looks_local(cfg.name_or_path)

@@ -9,12 +9,13 @@ from pathlib import Path
 import torch
 from filelock import FileLock
 from omegaconf import OmegaConf
+from transformers import PretrainedConfig
 
 from specblock.data.capture import load_feature_rows
 from specblock.data.manifest import read_manifest
 from specblock.data.prepare import prepare
 from specblock.data.shards import TokenDataset
-from specblock.data.target import default_feature_layers, load_target
+from specblock.data.target import default_feature_layers, load_target, load_target_config
 
 from .batching import collate
 from .checkpoint import list_checkpoints, read_model_state, resolve_resume, step_dir
@@ -78,32 +79,21 @@ def train(cfg: TrainConfig, resolved: dict | None = None) -> dict[str, float]:
             f"{cfg.trainer.output_dir} already holds checkpoints ({earlier[-1].name}); continue "
             "with trainer.resume=latest, or pick another run_name / output_dir"
         )
-    strategy, rows, collate_fn, target_config, drafter_cfg, layers = build(cfg)
+    strategy, rows, collate_fn, target_config, _, _ = build(cfg)
     if is_main():
         OmegaConf.save(OmegaConf.create(resolved), Path(cfg.output_dir) / "config.yaml")
     metrics = fit(strategy, rows, collate_fn, cfg.trainer, run_config=resolved)
     log0("final metrics (last logging window):\n" + metrics_table(metrics))
     if cfg.export and is_main():
         # the final checkpoint, not strategy.module: under ZeRO-3 the module's parameters stay partitioned
-        state = read_model_state(step_dir(cfg.trainer.output_dir, int(metrics["step"])))
-        module = rebuild_drafter(cfg.drafter.name, drafter_cfg, target_config, state)
         card = {
             "data": f"{cfg.data.corpus.source} ({cfg.data.out_dir}, regenerated={cfg.data.regenerate.enabled})",
             "steps": metrics.get("step"),
             "run": cfg.run_name,
             "metrics": metrics,
         }
-        path = export_drafter(
-            module,
-            Path(cfg.output_dir) / "drafter",
-            name=cfg.drafter.name,
-            drafter_cfg=drafter_cfg,
-            target_config=target_config,
-            target_id=cfg.data.target.target_id,
-            target_revision=cfg.data.target.revision,
-            feature_layers=layers,
-            card=card,
-        )
+        step = step_dir(cfg.trainer.output_dir, int(metrics["step"]))
+        path = export_checkpoint(cfg, step, Path(cfg.output_dir) / "drafter", target_config, card)
         log0(f"exported drafter: {path}")
     return metrics
 
@@ -114,24 +104,35 @@ def metrics_table(metrics: dict[str, float]) -> str:
     return "\n".join(["| metric | value |", "|---|---|"] + [f"| {k} | {v:.4g} |" for k, v in rows])
 
 
-def export_from_checkpoint(run_dir: Path, step: str = "latest", out: str | None = None) -> Path:
-    """Re-export a run's drafter from one of its checkpoints (python -m specblock.train.export)."""
-    from .config import register_configs
-
-    register_configs()
-    cfg: TrainConfig = OmegaConf.to_object(
-        OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.load(run_dir / "config.yaml"))
-    )
-    _, _, _, target_config, drafter_cfg, layers = build(cfg)
-    path = resolve_resume(step if step == "latest" else str(run_dir / step), cfg.trainer.output_dir)
-    module = rebuild_drafter(cfg.drafter.name, drafter_cfg, target_config, read_model_state(path))
+def export_checkpoint(
+    cfg: TrainConfig, step: Path, out: str | Path, target_config: PretrainedConfig, card: dict | None = None
+) -> Path:
+    """Export the drafter stored in a step folder (merged from ZeRO shards if need be) to `out`."""
+    layers = cfg.data.target.feature_layers or default_feature_layers(target_config.num_hidden_layers)
+    drafter_cfg = cfg.drafter.specific(num_feature_layers=len(layers))
+    module = rebuild_drafter(cfg.drafter.name, drafter_cfg, target_config, read_model_state(step))
     return export_drafter(
         module,
-        out or run_dir / "drafter",
+        out,
         name=cfg.drafter.name,
         drafter_cfg=drafter_cfg,
         target_config=target_config,
         target_id=cfg.data.target.target_id,
         target_revision=cfg.data.target.revision,
         feature_layers=layers,
+        card=card,
     )
+
+
+def export_from_checkpoint(run_dir: Path, step: str = "latest", out: str | None = None) -> Path:
+    """Re-export a run's drafter from one of its checkpoints (python -m specblock.train.export). Reads
+    only the run's config.yaml, the step folder and the target's config: no data stage, no weights."""
+    from .config import register_configs
+
+    register_configs()
+    cfg: TrainConfig = OmegaConf.to_object(
+        OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.load(run_dir / "config.yaml"))
+    )
+    target_config = load_target_config(cfg.data.target)
+    path = resolve_resume(step if step == "latest" else str(run_dir / step), cfg.trainer.output_dir)
+    return export_checkpoint(cfg, path, out or run_dir / "drafter", target_config)
