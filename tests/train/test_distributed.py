@@ -39,15 +39,6 @@ tiny = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(tiny)
 
 
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    yield
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-
-
 def free_port() -> int:
     with socket.socket() as s:  # other test sessions may launch at the same time: never use 29500
         s.bind(("127.0.0.1", 0))

@@ -25,16 +25,6 @@ tiny = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(tiny)
 
 
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    """Each fit() builds its own Accelerator; accelerate keeps process-wide singletons between them."""
-    yield
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-
-
 def params(module: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
