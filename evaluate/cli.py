@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 COMMANDS = {
+    "run": ("specblock.evaluate.pipeline", "the main job: data, training, export, evaluation (tables)"),
     "bench-verify": ("specblock.evaluate.bench_verify", "time every verifier (Markdown table)"),
     "exact-decode": (
         "specblock.evaluate.exact_decode",

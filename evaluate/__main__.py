@@ -1,0 +1,22 @@
+"""python -m specblock.evaluate [overrides]: the evaluation stage (see evaluate/config.py for every field).
+
+Sweeps: python -m specblock.evaluate --multirun draft_length=2,4,6 temperature=0,0.7 ... then
+`specblock eval-report checkpoints/eval/multirun` pools the jobs' results and plots them."""
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from .config import EvalConfig, register_configs
+from .run import evaluate
+
+register_configs()
+
+
+@hydra.main(config_path="pkg://specblock.configs", config_name="eval", version_base=None)
+def main(cfg: DictConfig) -> None:
+    config: EvalConfig = OmegaConf.to_object(cfg)
+    evaluate(config, OmegaConf.to_container(cfg, resolve=True))
+
+
+if __name__ == "__main__":
+    main()

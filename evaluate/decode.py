@@ -1,0 +1,367 @@
+"""The speculative decoding loop: a target with a KV cache, a drafter with its own, any verifier.
+
+One iteration (batch 1, as speculative-decoding benchmarks measure):
+1. draft from the root (the last emitted token): `chain` (one draft of L tokens), `iid` (K drafts of L
+   tokens sampled i.i.d. from the drafter, shared prefixes computed once), or `tree` (the drafter's
+   dynamic tree); `autoregressive` runs the target alone;
+2. ONE target forward over [root, draft nodes] with tree attention (a 4-D mask: every node sees the
+   committed cache and its ancestors; position ids = cache length + depth), giving the target's logits
+   and features at every node;
+3. the verifier picks the accepted path and the next token; the target cache keeps the committed part
+   plus the root and the accepted nodes (prefix reuse, nothing recomputed);
+4. the drafter appends the newly verified positions in ONE forward, which also drafts the next root.
+
+Temperature and top-p shape the target law and the draft law identically (laws.py). Cross-iteration
+verifiers (greedy_block, spectr_gbv) return a continuation; while it is in force (until its block's
+horizon has been emitted) the next iterations verify against it instead of the plain target. Computing
+it needs the older iteration's target law along the new prefix (its rows, or the new forward's rows)
+and its DRAFT law along the new prefix: for SpecBlock within a block that is free (slot laws), beyond
+it and for EAGLE-3 it costs drafter calls from the old root's cache, counted as drafting cost.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import Tensor
+from transformers.cache_utils import DynamicCache, DynamicLayer
+
+from specblock.data.target import FeatureTarget
+from specblock.evaluate.drafting import (
+    DrafterSession,
+    DraftTree,
+    Prefix,
+    Root,
+    TreeConfig,
+    drafts_tree,
+    eagle_tree,
+    make_session,
+    sample_drafts,
+    specblock_tree,
+)
+from specblock.evaluate.laws import GREEDY, next_token_law
+from specblock.evaluate.verify import CROSS_ITERATION, SINGLE_DRAFT, VERIFIERS, get_verifier, verify_tree
+
+MODES = ("chain", "iid", "tree", "autoregressive")
+
+
+@dataclass
+class DecodeConfig:
+    """mode: chain | iid | tree | autoregressive; verifier: a registered chain/multi-draft verifier for
+    chain and iid (chain needs a single-draft one or K = 1), ignored for tree and autoregressive;
+    num_drafts K and draft_length L for chain / iid; tree: the dynamic tree's shape."""
+
+    mode: str = "tree"
+    verifier: str = "token"
+    num_drafts: int = 1
+    draft_length: int = 4
+    temperature: float = 0.0
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+    tree: TreeConfig = field(default_factory=TreeConfig)
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"decode.mode={self.mode!r} is not one of {MODES}")
+        if self.mode in ("chain", "iid") and self.verifier not in VERIFIERS:
+            raise ValueError(f"decode.verifier={self.verifier!r} is not one of {sorted(VERIFIERS)}")
+        if self.mode == "chain" and self.num_drafts != 1:
+            raise ValueError("decode.mode=chain drafts one sequence: set num_drafts=1 (iid drafts several)")
+        if self.mode == "iid" and self.verifier in SINGLE_DRAFT and self.num_drafts != 1:
+            raise ValueError(f"verifier {self.verifier!r} takes a single draft; use num_drafts=1")
+        if self.num_drafts < 1 or self.draft_length < 1 or self.max_new_tokens < 1:
+            raise ValueError("num_drafts, draft_length and max_new_tokens must be >= 1")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise ValueError(
+                f"need temperature >= 0 and 0 < top_p <= 1, got {self.temperature}, {self.top_p}"
+            )
+
+    @property
+    def method(self) -> str:
+        """The name reports use: tree, autoregressive, chain-<verifier>, iid-<verifier>."""
+        return self.mode if self.mode in ("tree", "autoregressive") else f"{self.mode}-{self.verifier}"
+
+
+@dataclass
+class IterationStats:
+    accepted: int
+    emitted: int
+    draft_len: int
+    drafter_calls: int
+    drafter_seconds: float
+    verify_seconds: float
+
+
+@dataclass
+class Generation:
+    """tokens: the new tokens (the prompt excluded); iterations: one entry per verification; prefill_calls:
+    target forwards outside iterations (the prefill; every step of autoregressive decoding)."""
+
+    tokens: list[int]
+    iterations: list[IterationStats]
+    target_calls: int
+    prefill_calls: int
+    seconds: float
+
+
+# ---------------------------------------------------------------- the target with a KV cache
+
+
+class TargetSession:
+    """A frozen causal LM with a DynamicCache, fed with tree attention (batch 1)."""
+
+    def __init__(self, target: FeatureTarget):
+        self.target = target
+        params = inspect.signature(target.model.base_model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"  # transformers renamed it
+        self.cache: DynamicCache | None = None
+        self.calls = 0
+
+    def reset(self) -> None:
+        self.cache, self.calls = DynamicCache(), 0
+
+    def __len__(self) -> int:
+        return self.cache.get_seq_length() if self.cache is not None else 0
+
+    @torch.no_grad()
+    def forward(self, tokens: list[int], parents: list[int] | None = None) -> tuple[Tensor, Tensor]:
+        """Feed `tokens` after the cache. parents None: a causal chain; else a tree, parents[n] < n (or -1:
+        child of the cache's last token). Returns features [n, F*H] and logits [n, V] float32."""
+        n, past = len(tokens), len(self)
+        dev = self.target.device
+        if parents is None:
+            depth = list(range(n))
+            own = torch.ones(n, n, dtype=torch.bool).tril()
+        else:
+            depth, own = [0] * n, torch.zeros(n, n, dtype=torch.bool)
+            for i, p in enumerate(parents):
+                if p >= 0:
+                    depth[i] = depth[p] + 1
+                    own[i] = own[p]
+                own[i, i] = True
+        mask = torch.cat([torch.ones(n, past, dtype=torch.bool), own], dim=1)[None, None].to(dev)
+        pos = (torch.tensor(depth) + past)[None].to(dev)
+        out = self.target.model.base_model(
+            input_ids=torch.tensor([tokens], device=dev),
+            attention_mask=mask,
+            position_ids=pos,
+            use_cache=True,
+            output_hidden_states=True,
+            **{self._cache_kw: self.cache},
+        )
+        self.calls += 1
+        states = out.hidden_states
+        features = torch.cat([states[i] for i in self.target.feature_layers], dim=-1)[0]
+        return features, self.target.logits_from_hidden(out.last_hidden_state)[0]
+
+    def keep(self, committed: int, kept: list[int]) -> None:
+        """After a forward: keep the first `committed` cache entries and, of the entries fed after them,
+        those at offsets `kept` (in order). Only plain (non-sliding) dynamic layers can be gathered."""
+        index = torch.tensor(list(range(committed)) + [committed + i for i in kept])
+        for layer in self.cache.layers:
+            if type(layer) is not DynamicLayer:
+                raise NotImplementedError(f"cannot gather a {type(layer).__name__} cache (sliding window?)")
+            index = index.to(layer.keys.device)
+            layer.keys, layer.values = layer.keys[..., index, :], layer.values[..., index, :]
+
+
+# ---------------------------------------------------------------- laws across iterations
+
+
+class Level:
+    """The law one iteration's continuation puts in force: for generated tokens g shorter than `horizon`,
+    law(g) = cont(g relative to `start`, prev's law, this iteration's draft law); past it, the plain
+    target (horizons grow with every iteration, so no older continuation applies there either)."""
+
+    def __init__(self, book: LawBook, start: int, horizon: int, cont, root: Root, prev: Level | None):
+        self.book, self.start, self.horizon = book, start, horizon
+        self.cont, self.root, self.prev = cont, root, prev
+        self.memo: dict[Prefix, Tensor] = {}
+
+    def law(self, g: Prefix) -> Tensor:
+        if len(g) >= self.horizon:
+            return self.book.plain[g]
+        if g not in self.memo:
+            if self.cont is None:
+                raise RuntimeError(f"frozen continuation asked for an uncommitted prefix of length {len(g)}")
+            base, prev = g[: self.start], self.prev
+            target_at = (
+                (lambda y: prev.law(base + tuple(y)))
+                if prev
+                else (lambda y: self.book.plain[base + tuple(y)])
+            )
+            self.memo[g] = self.cont(g[self.start :], target_at, lambda y: self.root.law(tuple(y))).double()
+        return self.memo[g]
+
+    def freeze(self, out: Prefix) -> None:
+        """Once the emitted tokens reach the horizon, the next level can only ask about committed
+        prefixes, all memoised by then: keep those, drop the drafter state and the chain behind."""
+        self.memo = {g: v for g, v in self.memo.items() if out[: len(g)] == g}
+        self.cont = self.root = self.prev = None
+
+
+class LawBook:
+    """Target laws by prefix of the generated tokens g, and the law each iteration verifies against:
+    `plain[g]` is the target's (tempered) law after g, for every node a forward saw; while continuations
+    are in force, `law(g)` reads the newest `Level`."""
+
+    def __init__(self, temperature: float, top_p: float):
+        self.temperature, self.top_p = temperature, top_p
+        self.plain: dict[Prefix, Tensor] = {}
+        self.levels: list[Level] = []  # in force, oldest first
+
+    def law(self, g: Prefix) -> Tensor:
+        return self.levels[-1].law(g) if self.levels else self.plain[g]
+
+    def add_rows(self, base: Prefix, tree: DraftTree, logits: Tensor) -> None:
+        laws = next_token_law(logits, self.temperature, self.top_p).double()
+        for n in range(len(tree)):
+            self.plain[base + tree.path_tokens(n)] = laws[n]
+
+    def carry(self, base: Prefix, horizon: int, cont, root: Root, out: Prefix) -> None:
+        """After the iteration that started at `base` emitted up to `out`: put its continuation in force,
+        or drop every level once `out` reaches its horizon (the target alone takes over)."""
+        if cont is None or len(out) >= len(base) + horizon:
+            self.levels = []
+        else:
+            prev = self.levels[-1] if self.levels else None
+            self.levels.append(Level(self, len(base), len(base) + horizon, cont, root, prev))
+        for lv in self.levels[:-1]:
+            if lv.cont is not None and len(out) >= lv.horizon:
+                lv.freeze(out)
+        live = [lv.start for lv in self.levels if lv.cont is not None]
+        keep = min(live) if live else len(out)
+        self.plain = {
+            g: v
+            for g, v in self.plain.items()
+            if len(g) >= keep and out[: min(len(g), len(out))] == g[: len(out)]
+        }
+
+
+# ---------------------------------------------------------------- the loop
+
+
+class SpeculativeDecoder:
+    """Generates with a target and (except autoregressive) a drafter; see the module docstring."""
+
+    def __init__(
+        self, target: FeatureTarget, drafter: torch.nn.Module | None, cfg: DecodeConfig, eos: list[int] = ()
+    ):
+        if cfg.mode != "autoregressive" and drafter is None:
+            raise ValueError(f"decode.mode={cfg.mode} needs a drafter")
+        self.cfg, self.eos = cfg, set(eos)
+        self.target = TargetSession(target)
+        self.vocab_size = target.vocab_size
+        self.drafter = None
+        if drafter is not None and cfg.mode != "autoregressive":
+            self.drafter = make_session(drafter, target.vocab_size, cfg.temperature, cfg.top_p)
+        self.verifier = get_verifier(cfg.verifier) if cfg.mode in ("chain", "iid") else None
+        self.cross = cfg.mode in ("chain", "iid") and cfg.verifier in CROSS_ITERATION
+        self.greedy = cfg.temperature == GREEDY
+
+    def _sample(self, logits: Tensor, gen: torch.Generator) -> int:
+        law = next_token_law(logits, self.cfg.temperature, self.cfg.top_p)
+        return int(law.argmax()) if self.greedy else int(torch.multinomial(law.double(), 1, generator=gen))
+
+    def generate(self, prompt: list[int], seed: int = 0) -> Generation:
+        if not prompt:
+            raise ValueError("the prompt must hold at least one token")
+        gen = torch.Generator().manual_seed(seed)
+        start = time.perf_counter()
+        self.target.reset()
+        features, logits = self.target.forward(list(prompt))  # prefill
+        out = [self._sample(logits[-1], gen)]
+        if self.cfg.mode == "autoregressive":
+            while len(out) < self.cfg.max_new_tokens and out[-1] not in self.eos:
+                _, logits = self.target.forward([out[-1]])
+                out.append(self._sample(logits[-1], gen))
+            n = self.target.calls
+            return Generation(out, [], n, n, time.perf_counter() - start)
+        self.drafter.reset()
+        root = self.drafter.advance(features, torch.tensor([*prompt[1:], out[0]]), 0)
+        book, iterations = LawBook(self.cfg.temperature, self.cfg.top_p), []
+        while len(out) < self.cfg.max_new_tokens and out[-1] not in self.eos:
+            stats, emitted, root = self._iteration(prompt, out, root, book, gen)
+            room = self.cfg.max_new_tokens - len(out)
+            kept = emitted[:room]
+            for i, t in enumerate(kept):  # stop at the first end-of-sequence token
+                if t in self.eos:
+                    kept = kept[: i + 1]
+                    break
+            stats.emitted = len(kept)
+            stats.accepted = min(stats.accepted, len(kept))
+            out += kept
+            iterations.append(stats)
+        return Generation(out, iterations, self.target.calls, 1, time.perf_counter() - start)
+
+    def _draft(self, root: Root, gen: torch.Generator):
+        """-> (tree, drafts [K,L] or None, draft_probs [K,L,V] or None, node[k][i])."""
+        cfg = self.cfg
+        if cfg.mode == "tree":
+            fn = specblock_tree if hasattr(root.session, "K") else eagle_tree
+            return fn(root, cfg.tree), None, None, None
+        k = cfg.num_drafts
+        if self.greedy:  # identical one-hot drafts: draw once, copy
+            tokens, probs = sample_drafts(root, 1, cfg.draft_length, gen)
+            tokens, probs = tokens.expand(k, -1), probs.expand(k, -1, -1)
+        else:
+            tokens, probs = sample_drafts(root, k, cfg.draft_length, gen)
+        tree, nodes = drafts_tree(tokens.tolist())
+        return tree, tokens, probs, nodes
+
+    def _iteration(self, prompt: list[int], out: list[int], root: Root, book: LawBook, gen: torch.Generator):
+        base = tuple(out)  # generated so far; the root token is out[-1]
+        committed = len(prompt) + len(out) - 1  # target cache entries before the root
+        tree, tokens, draft_probs, nodes = self._draft(root, gen)
+        features, logits = self.target.forward([out[-1], *tree.tokens[1:]], [-1, *tree.parents[1:]])
+        t0 = time.perf_counter()
+        if tokens is None:  # a dynamic tree, target-only rule (or greedy at temperature 0)
+            book.add_rows(base, tree, logits)
+            q = torch.stack([book.plain[base + tree.path_tokens(n)] for n in range(len(tree))])
+            res = verify_tree(
+                _as_token_tree(tree), q, mode="greedy" if self.greedy else "deterministic", generator=gen
+            )
+            path, nxt, cont = res.path, res.next_token, None
+        else:
+            book.add_rows(base, tree, logits)
+            L = tokens.shape[1]
+            target_probs = torch.stack(
+                [
+                    torch.stack([book.law(base + tuple(row[:i])) for i in range(L + 1)])
+                    for row in tokens.tolist()
+                ]
+            )
+            res = self.verifier(target_probs, draft_probs, tokens, gen)
+            path, nxt, cont = (
+                nodes[res.draft_index][1 : res.num_accepted + 1],
+                res.next_token,
+                res.continuation,
+            )
+        verify_seconds = time.perf_counter() - t0
+        accepted = len(path)
+        emitted = [tree.tokens[n] for n in path] + [nxt]
+        self.target.keep(committed, [0, *path])
+        if self.cross:
+            book.carry(base, self.cfg.draft_length, cont, root, base + tuple(emitted))
+        else:
+            book.plain.clear()
+        # the drafter appends the root and the accepted nodes (their features), each with its next token;
+        # not after the last iteration (nothing would read it)
+        done = len(out) + len(emitted) >= self.cfg.max_new_tokens or bool(self.eos & set(emitted))
+        new_root = (
+            None if done else self.drafter.advance(features[[0, *path]], torch.tensor(emitted), committed)
+        )
+        calls, seconds = self.drafter.cost.take()
+        depth = max(tree.depth) if tokens is None else tokens.shape[1]
+        stats = IterationStats(accepted, len(emitted), depth, calls, seconds, verify_seconds)
+        return stats, emitted, new_root
+
+
+def _as_token_tree(tree: DraftTree):
+    from specblock.evaluate.verify import TokenTree
+
+    return TokenTree(list(tree.parents), [0, *tree.tokens[1:]])

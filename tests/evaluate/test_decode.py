@@ -1,0 +1,291 @@
+"""The decoding loop: greedy equality with the target's own greedy decoding for every drafting mode and
+verifier, and statistical fidelity (the law of generated sequences = the target's) at temperature > 0."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from specblock.data.target import FeatureTarget
+from specblock.evaluate.decode import DecodeConfig, SpeculativeDecoder, TargetSession
+from specblock.evaluate.drafting import DraftTree, TreeConfig, drafts_tree
+from specblock.evaluate.laws import next_token_law
+from specblock.evaluate.verify import VerifyOutput
+from specblock.evaluate.verify import base as verify_base
+from specblock.train.modeling import build_drafter
+from specblock.train.modeling.eagle3 import Eagle3Config
+from specblock.train.modeling.specblock import SpecBlockConfig
+
+SCHEMES = [  # (mode, verifier, num_drafts)
+    ("chain", "token", 1),
+    ("chain", "block", 1),
+    ("chain", "greedy_block", 1),
+    ("iid", "spectr", 3),
+    ("iid", "rrs", 3),
+    ("iid", "spectr_gbv", 3),
+    ("iid", "greedy", 2),
+    ("tree", "token", 1),
+]
+PROMPT = [1, 5, 9, 3]
+
+
+def tiny_target(vocab: int, sharpen: float, seed: int = 0) -> FeatureTarget:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # a peaked target: a few likely continuations, so few samples test its law
+        model.lm_head.weight.mul_(sharpen)
+    return FeatureTarget(model)
+
+
+def drafters(target: FeatureTarget, seed: int = 1):
+    torch.manual_seed(seed)
+    m = target.model
+    emb, head = m.get_input_embeddings().weight, m.get_output_embeddings().weight
+    sb = SpecBlockConfig(block_size=3, num_layers=2, rank_hidden=16)
+    return {
+        "specblock": build_drafter("specblock", sb, m.config, emb, head * 0.7).eval(),
+        "eagle3": build_drafter("eagle3", Eagle3Config(ttt_length=3), m.config, emb, head * 0.7).eval(),
+    }
+
+
+@pytest.fixture(scope="module")
+def greedy_setup():
+    target = tiny_target(64, 1.0)
+    return target, drafters(target)
+
+
+@pytest.mark.parametrize("drafter", ["specblock", "eagle3"])
+@pytest.mark.parametrize("mode,verifier,k", SCHEMES)
+def test_greedy_equals_target_greedy(greedy_setup, drafter, mode, verifier, k):
+    target, ds = greedy_setup
+    tree = TreeConfig(budget=12, steps=2, beam=4, topk=4)
+    ar = DecodeConfig(mode="autoregressive", temperature=0.0, max_new_tokens=24)
+    for prompt in (PROMPT, [7, 2]):
+        ref = SpeculativeDecoder(target, None, ar).generate(prompt)
+        cfg = DecodeConfig(mode, verifier, k, 4, temperature=0.0, max_new_tokens=24, tree=tree)
+        out = SpeculativeDecoder(target, ds[drafter], cfg).generate(prompt, seed=3)
+        assert out.tokens == ref.tokens
+        assert out.target_calls == out.prefill_calls + len(out.iterations)
+        assert sum(it.emitted for it in out.iterations) + 1 == len(out.tokens)
+
+
+def test_greedy_equality_with_an_accurate_drafter(greedy_setup):
+    """A drafter that copies the target's greedy choices (through a wrapper) gets whole blocks
+    accepted: the accepted paths, the kept KV entries and the bonus tokens all go through."""
+    target, ds = greedy_setup
+    ar = DecodeConfig(mode="autoregressive", temperature=0.0, max_new_tokens=20)
+    ref = SpeculativeDecoder(target, None, ar).generate(PROMPT).tokens
+    oracle = OracleRoot.install(target, PROMPT, ref)
+    try:
+        for mode, verifier, k in [("chain", "block", 1), ("iid", "spectr_gbv", 2), ("tree", "token", 1)]:
+            cfg = DecodeConfig(mode, verifier, k, 3, temperature=0.0, max_new_tokens=20)
+            dec = SpeculativeDecoder(target, ds["eagle3"], cfg)
+            out = dec.generate(PROMPT)
+            assert out.tokens == ref
+            assert sum(it.accepted for it in out.iterations) >= len(ref) // 2, (mode, out.iterations)
+    finally:
+        oracle.uninstall()
+
+
+class OracleRoot:
+    """Patches the drafter's logits after any prefix with `fn(generated tokens + prefix)` (the real drafter
+    still runs, caches and all; only its output law is replaced): a test's way to choose the draft law."""
+
+    def __init__(self, fn, prompt_len: int):
+        from specblock.evaluate import drafting
+
+        self.drafting, self.saved = drafting, [(drafting.Root, "logits", drafting.Root.logits)]
+        original = drafting.Root.logits
+
+        def logits(root, prefixes):
+            out = original(root, prefixes).clone()
+            for i, y in enumerate(prefixes):
+                out[i] = fn(root._generated + tuple(y), out[i])
+            return out
+
+        drafting.Root.logits = logits
+        for cls in (drafting.SpecBlockSession, drafting.Eagle3Session):
+            adv = cls.advance
+            self.saved.append((cls, "advance", adv))
+
+            def advance(sess, features, tokens, position, adv=adv):
+                root = adv(sess, features, tokens, position)
+                hist = sess.__dict__.setdefault("_hist", [])
+                del hist[position:]
+                hist += tokens.tolist()  # hist[j] = the token at absolute index j + 1
+                root._generated = tuple(hist[prompt_len - 1 :])
+                return root
+
+            cls.advance = advance
+
+    @classmethod
+    def install(cls, target, prompt, ref):
+        """Draft argmax = the target's greedy token after every prefix of `ref`."""
+        table = {tuple(ref[:n]): ref[n] for n in range(len(ref))}
+
+        def fn(g, row):
+            if g in table:
+                row = torch.full_like(row, -10.0)
+                row[table[g]] = 10.0
+            return row
+
+        return cls(fn, len(prompt))
+
+    def uninstall(self):
+        for owner, name, fn in self.saved:
+            setattr(owner, name, fn)
+
+
+# ---------------------------------------------------------------- statistical fidelity
+
+VOCAB, HORIZON, SAMPLES = 24, 3, 1200
+
+
+def exact_law(target: FeatureTarget, temperature: float, top_p: float) -> dict[tuple, float]:
+    """The target's law of the first HORIZON new tokens after PROMPT, by enumeration."""
+    law = {(): 1.0}
+    for _ in range(HORIZON):
+        seqs = list(law)
+        ids = torch.tensor([PROMPT + list(s) for s in seqs])
+        with torch.no_grad():
+            logits = target.model(ids).logits[:, -1].float()
+        probs = next_token_law(logits, temperature, top_p).double()
+        law = {s + (t,): law[s] * float(probs[i, t]) for i, s in enumerate(seqs) for t in range(VOCAB)}
+    return law
+
+
+def chi_square_pvalue(counts: dict[tuple, int], law: dict[tuple, float], n: int) -> float:
+    """Pearson chi-square of the sample counts against the exact law, cells with expected count < 5
+    pooled into one; p-value from the Wilson-Hilferty normal approximation."""
+    stat, df, pool_e, pool_o = 0.0, -1, 0.0, 0
+    for seq, p in law.items():
+        e, o = n * p, counts.get(seq, 0)
+        if e >= 5:
+            stat += (o - e) ** 2 / e
+            df += 1
+        else:
+            pool_e, pool_o = pool_e + e, pool_o + o
+    if pool_e > 0:
+        stat += (pool_o - pool_e) ** 2 / pool_e
+        df += 1
+    z = ((stat / df) ** (1 / 3) - (1 - 2 / (9 * df))) / math.sqrt(2 / (9 * df))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+@pytest.fixture(scope="module")
+def fidelity_setup():
+    target = tiny_target(VOCAB, 25.0, seed=2)
+    return target, drafters(target, seed=3)
+
+
+def sample_counts(target, drafter, cfg: DecodeConfig) -> dict[tuple, int]:
+    dec = SpeculativeDecoder(target, drafter, cfg)
+    counts: dict[tuple, int] = {}
+    for seed in range(SAMPLES):
+        seq = tuple(dec.generate(PROMPT, seed=seed).tokens)
+        counts[seq] = counts.get(seq, 0) + 1
+    return counts
+
+
+FIDELITY = [  # (drafter, mode, verifier, K, L, temperature, top_p)
+    ("specblock", "chain", "token", 1, 2, 1.0, 1.0),
+    ("specblock", "chain", "block", 1, 2, 0.7, 0.9),
+    ("specblock", "chain", "greedy_block", 1, 2, 1.0, 1.0),
+    ("eagle3", "chain", "greedy_block", 1, 2, 1.0, 1.0),
+    ("specblock", "iid", "spectr", 2, 2, 1.0, 1.0),
+    ("eagle3", "iid", "rrs", 3, 2, 0.7, 1.0),
+    ("specblock", "iid", "spectr_gbv", 2, 2, 1.0, 1.0),
+    ("eagle3", "iid", "spectr_gbv", 2, 2, 0.4, 1.0),
+    ("specblock", "tree", "token", 1, 2, 1.0, 1.0),
+    ("eagle3", "tree", "token", 1, 2, 0.7, 0.9),
+    (None, "autoregressive", "token", 1, 2, 1.0, 1.0),
+]
+
+
+@pytest.mark.parametrize("drafter,mode,verifier,k,length,temperature,top_p", FIDELITY)
+def test_generated_law_matches_target(fidelity_setup, drafter, mode, verifier, k, length, temperature, top_p):
+    target, ds = fidelity_setup
+    tree = TreeConfig(budget=8, steps=2, beam=3, topk=3)
+    cfg = DecodeConfig(mode, verifier, k, length, temperature, top_p, max_new_tokens=HORIZON, tree=tree)
+    counts = sample_counts(target, ds.get(drafter), cfg)
+    assert chi_square_pvalue(counts, exact_law(target, temperature, top_p), SAMPLES) > 1e-4
+
+
+def test_fidelity_check_catches_a_lossy_verifier(fidelity_setup, monkeypatch):
+    """Negative control: a verifier that accepts every draft token outputs the draft's law, and the
+    same statistic rejects it."""
+    target, ds = fidelity_setup
+
+    def accept_all(target_probs, draft_probs, draft_tokens, generator=None, *, sampler=None):
+        L = draft_tokens.shape[1]
+        nxt = int(torch.multinomial(target_probs[0, L], 1, generator=generator))
+        return VerifyOutput(L, 0, nxt)
+
+    monkeypatch.setitem(verify_base.VERIFIERS, "accept_all", accept_all)
+    cfg = DecodeConfig("chain", "accept_all", 1, 2, 1.0, max_new_tokens=HORIZON)
+    counts = sample_counts(target, ds["specblock"], cfg)
+    assert chi_square_pvalue(counts, exact_law(target, 1.0, 1.0), SAMPLES) < 1e-6
+
+
+# ---------------------------------------------------------------- pieces
+
+
+def test_target_session_tree_forward_matches_plain_forward(greedy_setup):
+    target, _ = greedy_setup
+    ids = [3, 8, 1, 4, 6, 2]
+    with torch.no_grad():
+        full = target.model(torch.tensor([ids])).logits[0].float()
+    s = TargetSession(target)
+    s.reset()
+    s.forward(ids[:3])
+    # root ids[3], then a tree: node1 = ids[4] (child of root), node2 = 9 (child of root), node3 = ids[5]
+    _, logits = s.forward([ids[3], ids[4], 9, ids[5]], [-1, 0, 0, 1])
+    assert torch.allclose(logits[0], full[3], atol=1e-5)
+    assert torch.allclose(logits[1], full[4], atol=1e-5)
+    assert torch.allclose(logits[3], full[5], atol=1e-5)
+    s.keep(3, [0, 1, 3])  # keep root, node1, node3: the cache now equals ids[:6]
+    assert len(s) == 6
+    _, nxt = s.forward([7])
+    with torch.no_grad():
+        ref = target.model(torch.tensor([ids + [7]])).logits[0, -1].float()
+    assert torch.allclose(nxt[0], ref, atol=1e-5)
+
+
+def test_drafts_tree_merges_shared_prefixes():
+    tree, nodes = drafts_tree([[5, 6, 7], [5, 6, 8], [4, 6, 7]])
+    assert len(tree) == 1 + 4 + 2  # 5, 6, 7, 8 | 4, 6, 7
+    assert nodes[0][:3] == nodes[1][:3] and nodes[0][3] != nodes[1][3]
+    assert tree.path_tokens(nodes[2][3]) == (4, 6, 7)
+
+
+def test_tree_pruning_keeps_best_nodes_and_ancestors():
+    t = DraftTree()
+    a = t.add(0, 1, -0.1)
+    b = t.add(a, 2, -0.5)
+    t.add(0, 3, -0.3)
+    t.add(b, 4, -0.6)
+    pruned, old = t.pruned(3)
+    assert old == [0, 1, 2, 3] and pruned.tokens[1:] == [1, 2, 3]
+    assert all(p < n for n, p in enumerate(pruned.parents) if n)
+
+
+def test_decode_config_errors():
+    with pytest.raises(ValueError, match="mode"):
+        DecodeConfig(mode="beam")
+    with pytest.raises(ValueError, match="single draft"):
+        DecodeConfig(mode="iid", verifier="block", num_drafts=2)
+    with pytest.raises(ValueError, match="num_drafts=1"):
+        DecodeConfig(mode="chain", verifier="token", num_drafts=2)
