@@ -266,7 +266,7 @@ def test_target_session_tree_forward_matches_plain_forward(greedy_setup):
 
 def test_drafts_tree_merges_shared_prefixes():
     tree, nodes = drafts_tree([[5, 6, 7], [5, 6, 8], [4, 6, 7]])
-    assert len(tree) == 1 + 4 + 2  # 5, 6, 7, 8 | 4, 6, 7
+    assert len(tree) == 1 + 4 + 3  # 5, 6, 7, 8 | 4, 6, 7
     assert nodes[0][:3] == nodes[1][:3] and nodes[0][3] != nodes[1][3]
     assert tree.path_tokens(nodes[2][3]) == (4, 6, 7)
 
