@@ -6,6 +6,10 @@ import sys
 
 COMMANDS = {
     "run": ("specblock.evaluate.pipeline", "the main job: data, training, export, evaluation (tables)"),
+    "eval-report": (
+        "specblock.evaluate.sweep_report",
+        "pool an evaluation sweep: table and plots vs K, L, temperature",
+    ),
     "bench-verify": ("specblock.evaluate.bench_verify", "time every verifier (Markdown table)"),
     "exact-decode": (
         "specblock.evaluate.exact_decode",

