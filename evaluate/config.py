@@ -9,6 +9,7 @@ from hydra.core.config_store import ConfigStore
 from specblock.data.evalsets import EVAL_SETS
 from specblock.data.target import TargetConfig
 
+from .adapt import AdaptConfig
 from .decode import MODES
 from .drafting import TreeConfig
 from .verify import SINGLE_DRAFT, TREE_MODES, VERIFIERS
@@ -97,6 +98,7 @@ class EvalConfig:
     temperature: float = 0.0
     top_p: float = 1.0
     trees: dict[str, TreeConfig] = field(default_factory=_default_trees)
+    adapt: AdaptConfig = field(default_factory=AdaptConfig)  # serving-time adaptation (off by default)
     seed: int = 0
     logger: str = "none"  # none | wandb
     project: str = "specblock"

@@ -45,6 +45,7 @@ from specblock.evaluate.drafting import (
 )
 from specblock.evaluate.laws import GREEDY, next_token_law
 from specblock.evaluate.verify import CROSS_ITERATION, SINGLE_DRAFT, VERIFIERS, get_verifier, verify_tree
+from specblock.evaluate.verify.sampling import Sampler, TorchSampler
 
 MODES = ("chain", "iid", "tree", "autoregressive")
 
@@ -249,7 +250,12 @@ class SpeculativeDecoder:
     """Generates with a target and (except autoregressive) a drafter; see the module docstring."""
 
     def __init__(
-        self, target: FeatureTarget, drafter: torch.nn.Module | None, cfg: DecodeConfig, eos: list[int] = ()
+        self,
+        target: FeatureTarget,
+        drafter: torch.nn.Module | None,
+        cfg: DecodeConfig,
+        eos: list[int] = (),
+        adapter=None,
     ):
         if cfg.mode != "autoregressive" and drafter is None:
             raise ValueError(f"decode.mode={cfg.mode} needs a drafter")
@@ -262,15 +268,19 @@ class SpeculativeDecoder:
         self.verifier = get_verifier(cfg.verifier) if cfg.mode in ("chain", "iid") else None
         self.cross = cfg.mode in ("chain", "iid") and cfg.verifier in CROSS_ITERATION
         self.greedy = cfg.temperature == GREEDY
+        self.adapter = adapter  # evaluate/adapt.py: fed the verified positions, told when a request ends
 
-    def _sample(self, logits: Tensor, gen: torch.Generator) -> int:
+    def _sample(self, logits: Tensor, gen: Sampler) -> int:
         law = next_token_law(logits, self.cfg.temperature, self.cfg.top_p)
-        return int(law.argmax()) if self.greedy else int(torch.multinomial(law.double(), 1, generator=gen))
+        return int(law.argmax()) if self.greedy else gen.categorical(law.double())
 
-    def generate(self, prompt: list[int], seed: int = 0) -> Generation:
+    def generate(self, prompt: list[int], seed: int = 0, sampler: Sampler | None = None) -> Generation:
+        """New tokens after `prompt`. Every random choice (drafts, verification, target samples) goes
+        through one Sampler: a TorchSampler seeded with `seed`, or `sampler` (e.g. the exact-enumeration
+        one of verify/exact.py, which makes the law of whole generations computable)."""
         if not prompt:
             raise ValueError("the prompt must hold at least one token")
-        gen = torch.Generator().manual_seed(seed)
+        gen = sampler if sampler is not None else TorchSampler(torch.Generator().manual_seed(seed))
         start = time.perf_counter()
         self.target.reset()
         features, logits = self.target.forward(list(prompt))  # prefill
@@ -282,7 +292,11 @@ class SpeculativeDecoder:
             n = self.target.calls
             return Generation(out, [], n, n, time.perf_counter() - start)
         self.drafter.reset()
-        root = self.drafter.advance(features, torch.tensor([*prompt[1:], out[0]]), 0)
+        after = torch.tensor([*prompt[1:], out[0]])
+        if self.adapter is not None:
+            self.adapter.new_request()
+            self.adapter.collect(features, after, logits)
+        root = self.drafter.advance(features, after, 0)
         book, iterations = LawBook(self.cfg.temperature, self.cfg.top_p), []
         while len(out) < self.cfg.max_new_tokens and out[-1] not in self.eos:
             stats, emitted, root = self._iteration(prompt, out, root, book, gen)
@@ -296,9 +310,12 @@ class SpeculativeDecoder:
             stats.accepted = min(stats.accepted, len(kept))
             out += kept
             iterations.append(stats)
-        return Generation(out, iterations, self.target.calls, 1, time.perf_counter() - start)
+        result = Generation(out, iterations, self.target.calls, 1, time.perf_counter() - start)
+        if self.adapter is not None:
+            self.adapter.observe_request(len(out), result.target_calls, result.seconds)
+        return result
 
-    def _draft(self, root: Root, gen: torch.Generator):
+    def _draft(self, root: Root, gen: Sampler):
         """-> (tree, drafts [K,L] or None, draft_probs [K,L,V] or None, node[k][i])."""
         cfg = self.cfg
         if cfg.mode == "tree":
@@ -313,7 +330,7 @@ class SpeculativeDecoder:
         tree, nodes = drafts_tree(tokens.tolist())
         return tree, tokens, probs, nodes
 
-    def _iteration(self, prompt: list[int], out: list[int], root: Root, book: LawBook, gen: torch.Generator):
+    def _iteration(self, prompt: list[int], out: list[int], root: Root, book: LawBook, gen: Sampler):
         base = tuple(out)  # generated so far; the root token is out[-1]
         committed = len(prompt) + len(out) - 1  # target cache entries before the root
         tree, tokens, draft_probs, nodes = self._draft(root, gen)
@@ -323,7 +340,7 @@ class SpeculativeDecoder:
             book.add_rows(base, tree, logits)
             q = torch.stack([book.plain[base + tree.path_tokens(n)] for n in range(len(tree))])
             res = verify_tree(
-                _as_token_tree(tree), q, mode="greedy" if self.greedy else "deterministic", generator=gen
+                _as_token_tree(tree), q, mode="greedy" if self.greedy else "deterministic", sampler=gen
             )
             path, nxt, cont = res.path, res.next_token, None
         else:
@@ -335,7 +352,7 @@ class SpeculativeDecoder:
                     for row in tokens.tolist()
                 ]
             )
-            res = self.verifier(target_probs, draft_probs, tokens, gen)
+            res = self.verifier(target_probs, draft_probs, tokens, sampler=gen)
             path, nxt, cont = (
                 nodes[res.draft_index][1 : res.num_accepted + 1],
                 res.next_token,
@@ -351,6 +368,8 @@ class SpeculativeDecoder:
             book.plain.clear()
         # the drafter appends the root and the accepted nodes (their features), each with its next token;
         # not after the last iteration (nothing would read it)
+        if self.adapter is not None:  # the feedback verification gives for free
+            self.adapter.collect(features[[0, *path]], torch.tensor(emitted), logits[[0, *path]])
         done = len(out) + len(emitted) >= self.cfg.max_new_tokens or bool(self.eos & set(emitted))
         new_root = (
             None if done else self.drafter.advance(features[[0, *path]], torch.tensor(emitted), committed)

@@ -278,8 +278,9 @@ def make_session(
 # ---------------------------------------------------------------- chains and i.i.d. drafts
 
 
-def sample_drafts(root: Root, num_drafts: int, length: int, generator: torch.Generator | None):
-    """K i.i.d. drafts of L tokens from the draft law, depth by depth (one batched call per new depth).
+def sample_drafts(root: Root, num_drafts: int, length: int, sampler):
+    """K i.i.d. drafts of L tokens from the draft law, depth by depth (one batched call per new depth),
+    drawn with `sampler` (verify/sampling.py).
     Returns tokens [K, L] int64 (target ids) and draft_probs [K, L, V] float64."""
     drafts: list[list[int]] = [[] for _ in range(num_drafts)]
     rows: list[list[Tensor]] = [[] for _ in range(num_drafts)]
@@ -289,7 +290,7 @@ def sample_drafts(root: Root, num_drafts: int, length: int, generator: torch.Gen
         for k, y in enumerate(prefixes):
             law = root.law(y)
             rows[k].append(law)
-            drafts[k].append(int(torch.multinomial(law, 1, generator=generator)))
+            drafts[k].append(int(sampler.categorical(law)))
     return torch.tensor(drafts, dtype=torch.int64), torch.stack([torch.stack(r) for r in rows])
 
 

@@ -10,6 +10,7 @@ forward; in float32 there are none).
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import asdict
 from pathlib import Path
@@ -22,6 +23,7 @@ from specblock.data.evalsets import EvalSetConfig, load_eval_set, prompt_ids
 from specblock.data.target import FeatureTarget, ensure_embedded_target, load_target
 from specblock.train.export import load_drafter
 
+from .adapt import Adapter
 from .config import EvalConfig, parse_method
 from .decode import DecodeConfig, Generation, SpeculativeDecoder
 from .drafting import TreeConfig
@@ -134,8 +136,12 @@ def evaluate(cfg: EvalConfig, resolved: dict[str, Any] | None = None) -> list[di
     for name, (module, meta) in drafters.items():
         target = FeatureTarget(model, meta["feature_layers"])  # the layers this drafter was trained on
         for method in speculative:
-            dec = SpeculativeDecoder(target, module, decode_config(cfg, method, name), eos)
-            runs.append((f"{name}{SEPARATOR}{method}", dec))
+            adapter, drafter, suffix = None, module, ""
+            if cfg.adapt.enabled:  # each run adapts its own copy, from the exported weights (reset per run)
+                drafter = copy.deepcopy(module)
+                adapter, suffix = Adapter(drafter, cfg.adapt), "+adapt"
+            dec = SpeculativeDecoder(target, drafter, decode_config(cfg, method, name), eos, adapter=adapter)
+            runs.append((f"{name}{SEPARATOR}{method}{suffix}", dec))
     sets, unavailable = [], {}
     for d in cfg.datasets:
         try:
