@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from specblock.evaluate.laws import next_token_law
-from specblock.train.losses import DEFAULT_TOPK_PER_CLASS
+from specblock.train.losses import RELEASE_TOPK_PER_CLASS
 from specblock.train.modeling.common import DraftCache
 from specblock.train.modeling.eagle3 import Eagle3Drafter
 from specblock.train.modeling.specblock import SpecBlockDrafter
@@ -313,13 +313,14 @@ def drafts_tree(tokens: list[list[int]]) -> tuple[DraftTree, list[list[int]]]:
 class TreeConfig:
     """budget: draft tokens kept (the root not counted); steps: block (SpecBlock) or step (EAGLE) rounds;
     beam: leaves expanded per round; topk: EAGLE children per node and SpecBlock slot-0 cap;
-    topk_per_class: SpecBlock branching per predicted rank class (0 = stop the block there)."""
+    topk_per_class: SpecBlock branching per predicted rank class (0 = stop the block there); default the
+    authors' release preset (2, 4, 6, 4) (SPECBLOCK.md 1.3), which never gives up a slot."""
 
     budget: int = 32
     steps: int = 2
     beam: int = 10
     topk: int = 10
-    topk_per_class: list[int] = field(default_factory=lambda: list(DEFAULT_TOPK_PER_CLASS))
+    topk_per_class: list[int] = field(default_factory=lambda: list(RELEASE_TOPK_PER_CLASS))
 
 
 def _draft_logprobs(logits: Tensor) -> Tensor:

@@ -119,19 +119,24 @@ def main(argv: list[str] | None = None) -> None:
         f"limit={args.limit}",
         f"max_new_tokens={args.max_new_tokens}",
         f"local_root={'null' if args.local_root in ('none', 'null') else args.local_root}",
-        *(f"drafters.{d}={path}" for d, path in exports.items()),
+        f"drafters.specblock={exports['specblock']}",
     ]
     greedy = eval_stage(
         "greedy",
-        [*common, "temperature=0", "methods=[autoregressive,chain-token,tree]"],
+        [
+            *common,
+            f"drafters.eagle3={exports['eagle3']}",
+            "temperature=0",
+            "methods=[autoregressive,chain-token,tree]",
+        ],
     )
-    sampled = eval_stage(
+    sampled = eval_stage(  # the verifier comparison, on the SpecBlock drafter's drafts only
         "sampled",
         [
             *common,
+            "~drafters.eagle3",
             f"temperature={args.temperature}",
             "methods=[autoregressive,chain-token,chain-block,chain-greedy_block,iid-spectr,iid-rrs,iid-spectr_gbv]",
-            "drafters={specblock:" + str(exports["specblock"]) + "}",
         ],
     )
     print(f"\n[run] done in {(time.perf_counter() - start) / 60:.1f} min; tables in {OUT}/greedy/results.md and "
