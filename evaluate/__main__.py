@@ -4,6 +4,8 @@ Sweeps: python -m specblock.evaluate --multirun draft_length=2,4,6 temperature=0
 `specblock eval-report checkpoints/eval/multirun` pools the jobs' results and plots them."""
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from .config import EvalConfig, register_configs
@@ -14,6 +16,9 @@ register_configs()
 
 @hydra.main(config_path="pkg://specblock.configs", config_name="eval", version_base=None)
 def main(cfg: DictConfig) -> None:
+    hc = HydraConfig.get()
+    if hc.mode == RunMode.MULTIRUN:  # one folder per sweep job, not one shared output_dir
+        cfg.output_dir = hc.runtime.output_dir
     config: EvalConfig = OmegaConf.to_object(cfg)
     evaluate(config, OmegaConf.to_container(cfg, resolve=True))
 

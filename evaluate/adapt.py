@@ -18,13 +18,18 @@ An update is `steps` Adam steps on the chosen subset over the buffered segments,
 Bandit (`CostAwareBandit`, one decision per window of `window` requests). With beta the tokens per
 target call and c the seconds per target call measured on the last window, and N its tokens, an update
 of arm a that lifts beta by d saves N c (1/beta - 1/(beta + d)) seconds over a window like the last one.
-UCB1 on the lift: d_a = mean lift of a + ucb_c sqrt(ln n / n_a) (n: windows so far; unexplored arms are
-optimistic, d = `optimistic_lift`); the cost C_a is the mean measured update time of a (unexplored: the
+UCB1 on the lift: d_a = mean lift of a + ucb_c sqrt(ln n / n_a) (n: decisions so far; unexplored arms
+are optimistic, d = `optimistic_lift`); the cost C_a is the mean measured update time of a (unexplored:
 `cost_prior` seconds). The bandit picks argmax_a saved_a - C_a and updates only if that is > 0; else
-`none`. The lift observed on the window after an update (beta_after - beta_before) is the arm's reward.
+`none`. The lift is measured at once, without serving: the newest request's feedback is held out of
+the update, and the reward is the change of the mean accepted-prefix length (greedy labels, K slots)
+that the verifier would have given the drafter's drafts on it, replayed before and after the update
+(accepted draft tokens per position: the same units as tokens per target call). Window-level
+acceptance is too noisy for this (two requests move it by +-0.1).
 
-Guard: if the window after an update has beta below (1 - revert_margin) x the window before, the update
-is reverted (the arm's parameters restored from a snapshot taken before it; its reward stays recorded).
+Guards: an update whose replayed lift is <= 0 is undone at once (never served); a served update is
+reverted when the next window's tokens per target call fall below (1 - revert_margin) x the window
+before. Both restore a snapshot of the drafter taken before the update.
 Adaptation never touches verification, so the output law stays the target's whatever the drafter does.
 """
 
@@ -279,8 +284,10 @@ class Event:
     target_calls: int
     seconds: float
     arm: str
-    update_seconds: float = 0.0
-    reverted: bool = False
+    update_seconds: float = 0.0  # training + the two replays
+    replay_lift: float | None = None  # held-out accepted-prefix change the update made (the reward)
+    rejected: bool = False  # the update did not help on held-out feedback and was undone at once
+    reverted: bool = False  # the previous window's update was undone by the served-window guard
     loss: float | None = None
 
 
@@ -303,7 +310,7 @@ class Adapter:
         self.events: list[Event] = []
         self._acc = Window(0, 0, 0.0)
         self._requests = 0
-        self._pending: tuple[str, float, Window, dict] | None = None  # arm, cost, window before, snapshot
+        self._pending: tuple[Window, dict] | None = None  # the window before the last update, snapshot
 
     # the decoding loop's hooks
     def new_request(self) -> None:
@@ -322,10 +329,8 @@ class Adapter:
             return None
         window, self._acc = self._acc, Window(0, 0, 0.0)
         reverted = False
-        if self._pending is not None:  # judge the update made before this window
-            arm, cost, before, snapshot = self._pending
-            lift = window.beta - before.beta
-            self.bandit.observe(arm, lift, cost)
+        if self._pending is not None:  # served-window guard on the update made before this window
+            before, snapshot = self._pending
             if window.beta < (1.0 - self.cfg.revert_margin) * before.beta:
                 self._restore(snapshot)
                 reverted = True
@@ -335,13 +340,39 @@ class Adapter:
             len(self.events), window.tokens, window.target_calls, window.seconds, arm, reverted=reverted
         )
         if arm != "none":
+            segments = self.feedback.segments()
+            held, train = segments[-1:], segments[:-1] or segments  # the newest request is held out
             snapshot = self._snapshot()
             start = time.perf_counter()
-            event.loss = self.update(arm)
+            old = self.replay_acceptance(held)
+            event.loss = self.update(arm, train)
+            event.replay_lift = self.replay_acceptance(held) - old
             event.update_seconds = time.perf_counter() - start
-            self._pending = (arm, event.update_seconds, window, snapshot)
+            self.bandit.observe(arm, event.replay_lift, event.update_seconds)
+            if event.replay_lift <= 0:  # no better on held-out feedback: never served
+                self._restore(snapshot)
+                event.rejected = True
+            else:
+                self._pending = (window, snapshot)
         self.events.append(event)
         return event
+
+    @torch.no_grad()
+    def replay_acceptance(self, segments) -> float:
+        """Mean accepted-prefix length per position (of K slots, greedy labels) of the current drafter on
+        buffered feedback: the acceptance the verifier would have given these drafts, replayed for free."""
+        total, count = 0.0, 0
+        K, dev = self.drafter.block_size, self.drafter.d2t.device
+        dtype = next(self.drafter.parameters()).dtype
+        for feats, toks, labels in segments:
+            out = self.drafter(feats[None].to(dev, dtype), toks[None].to(dev))
+            targets, valid = slot_labels(labels, K)
+            full = valid.all(-1)  # positions with all K labels
+            right = (out.logits[0].argmax(-1).cpu() == self._to_draft(targets)) & valid
+            accepted = torch.cumprod(right.int(), dim=1).sum(-1)  # leading right slots
+            total += float(accepted[full].sum())
+            count += int(full.sum())
+        return total / count if count else 0.0
 
     def _snapshot(self) -> dict:
         return {"state": copy.deepcopy(self.drafter.state_dict()), "head": self.drafter.lm_head}
@@ -350,9 +381,9 @@ class Adapter:
         self.drafter.lm_head = snap["head"]
         self.drafter.load_state_dict(snap["state"])
 
-    def update(self, arm: str) -> float | None:
-        """`steps` Adam steps of the feedback loss on the arm's parameters; returns the last loss."""
-        segments = self.feedback.segments()
+    def update(self, arm: str, segments) -> float | None:
+        """`steps` Adam steps of the feedback loss on the arm's parameters over `segments` (Feedback.
+        segments()); returns the last loss."""
         if not segments:
             return None
         params = arm_parameters(self.drafter, arm, self.cfg.lora_rank, self.cfg.seed)

@@ -89,7 +89,8 @@ def main() -> None:
                     "run": label, "request": i, "dataset": dataset, "tokens": len(g.tokens),
                     "target_calls": g.target_calls, "decode_seconds": g.seconds, "wall_seconds": wall,
                     "arm": event.arm if event else None, "update_seconds": event.update_seconds if event else 0.0,
-                    "reverted": event.reverted if event else False,
+                    "reverted": event.reverted if event else False, "rejected": event.rejected if event else False,
+                    "replay_lift": event.replay_lift if event else None,
                 }
             )  # fmt: skip
             bar.update()
@@ -107,8 +108,8 @@ def _sums(rows):
     c = sum(r["target_calls"] for r in rows)
     w = sum(r["wall_seconds"] for r in rows)
     u = sum(r["update_seconds"] for r in rows)
-    n = sum(1 for r in rows if r["arm"] not in (None, "none"))
-    rv = sum(1 for r in rows if r["reverted"])
+    n = sum(1 for r in rows if r["arm"] not in (None, "none") and not r["rejected"])
+    rv = sum(1 for r in rows if r["reverted"] or r["rejected"])
     return t, c, w, u, n, rv
 
 
@@ -116,7 +117,7 @@ def table(rows) -> str:
     runs = list(dict.fromkeys(r["run"] for r in rows))
     datasets = list(dict.fromkeys(r["dataset"] for r in rows)) + ["overall"]
     lines = [
-        "| dataset | run | tokens / target call | tokens / s (updates included) | updates | update s | reverted |",
+        "| dataset | run | tokens / target call | tokens / s (updates included) | updates kept | update s | undone |",
         "|---|---|---|---|---|---|---|",
     ]
     tps = {}

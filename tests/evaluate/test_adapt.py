@@ -131,20 +131,48 @@ def test_revert_guard_restores_the_weights(setup, monkeypatch):
     ad = Adapter(d, AdaptConfig(arms=["last_layer"], window=1, cost_prior=0.0))
     original = {k: v.clone() for k, v in d.state_dict().items()}
 
-    def bad_update(arm):
+    def bad_update(arm, segments):
         with torch.no_grad():
-            d.norm.weight.mul_(-1.0)  # an update that ruins the drafter
+            d.norm.weight.mul_(-1.0)  # an update that ruins the drafter ...
         return 0.0
 
+    replays = iter([0.5, 0.7])  # ... yet looks better on the held-out replay
     monkeypatch.setattr(ad, "update", bad_update)
+    monkeypatch.setattr(ad, "replay_acceptance", lambda segs: next(replays))
     first = ad.observe_request(tokens=30, target_calls=10, seconds=1.0)  # beta 3: update (optimistic)
-    assert first.arm == "last_layer" and not torch.equal(d.norm.weight, original["norm.weight"])
+    assert first.arm == "last_layer" and not first.rejected
+    assert first.replay_lift == pytest.approx(0.2) and ad.bandit.stats["last_layer"].pulls == 1
+    assert not torch.equal(d.norm.weight, original["norm.weight"])
+    monkeypatch.setattr(ad.bandit, "choose", lambda w: "none")
     second = ad.observe_request(tokens=30, target_calls=20, seconds=1.0)  # beta fell to 1.5: revert
     assert second.reverted
     assert all(torch.equal(v, original[k]) for k, v in d.state_dict().items() if k in original)
-    assert ad.bandit.stats["last_layer"].pulls == 1 and ad.bandit.stats["last_layer"].lift == -1.5
     ad.reset()
     assert not ad.events and ad.bandit.stats["last_layer"].pulls == 0
+
+
+def test_an_update_that_does_not_help_on_held_out_feedback_is_undone(setup, monkeypatch):
+    _, ds = setup
+    d = ds["specblock"]
+    ad = Adapter(d, AdaptConfig(arms=["lora"], window=1))
+    replays = iter([0.5, 0.4])
+    monkeypatch.setattr(ad, "replay_acceptance", lambda segs: next(replays))
+    ev = ad.observe_request(tokens=30, target_calls=10, seconds=1.0)
+    assert ev.arm == "lora" and ev.rejected and ev.replay_lift == pytest.approx(-0.1)
+    assert not isinstance(d.lm_head, LowRankHead)  # the adapter head is gone with the undo
+    assert ad.bandit.stats["lora"].lift == pytest.approx(-0.1)
+
+
+def test_replay_acceptance_counts_leading_right_slots(setup):
+    _, ds = setup
+    d = ds["eagle3"]
+    ad = Adapter(d, AdaptConfig(arms=["lora"]))
+    feats, toks = torch.randn(6, d.feature_size), torch.randint(0, 64, (6,))
+    with torch.no_grad():
+        guess = d(feats[None], toks[None]).logits[0].argmax(-1)  # [T,K] draft ids (full vocab: = target ids)
+    labels = torch.full((6,), 63)
+    labels[1:4] = guess[0, :3]  # position 0: slots 0, 1, 2 right -> 3 accepted (K = 3)
+    assert ad.replay_acceptance([(feats, toks, labels)]) >= 3 / 3  # positions 0..2 have all K labels
 
 
 @pytest.mark.parametrize("drafter", ["specblock", "eagle3"])
@@ -160,15 +188,18 @@ def test_greedy_decoding_stays_exact_while_adapting(setup, drafter):
     for prompt in ([1, 5, 9, 3], [7, 2], [4, 4, 8], [9, 1, 1, 2]):
         assert dec.generate(prompt).tokens == ar.generate(prompt).tokens
     assert len(ad.events) == 4 and {e.arm for e in ad.events} >= set(arms)  # every arm explored
-    assert any(not torch.equal(v, before[k]) for k, v in d.state_dict().items() if k in before)
+    assert all(e.replay_lift is not None for e in ad.events if e.arm != "none")
+    del before
 
 
-def test_sampled_decoding_law_is_exact_after_adaptation():
+def test_sampled_decoding_law_is_exact_after_adaptation(monkeypatch):
     """After updates changed the drafter, the law of generated sequences is still exactly the target's
     (exact enumeration of the real loop, chain + block verification, temperature 1, top-p 0.5)."""
     target = td.tiny_target(td.VOCAB, 12.0, seed=2)
     d = td.drafters(target, seed=3)["specblock"]
     ad = Adapter(d, AdaptConfig(arms=["lora"], window=1, steps=2, lr=5e-2))
+    counter = iter(range(100))
+    monkeypatch.setattr(ad, "replay_acceptance", lambda segs: next(counter))  # keep every update
     greedy = SpeculativeDecoder(
         target, d, DecodeConfig("chain", "block", 1, 2, max_new_tokens=12), adapter=ad
     )

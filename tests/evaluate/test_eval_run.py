@@ -108,3 +108,48 @@ def test_sweep_report_pools_jobs_and_plots_swept_axes(tmp_path):
     assert [p.name for p in plots] == ["block_efficiency_vs_L.png"]
     assert "L=2" in (tmp_path / "report" / "report.md").read_text()
     assert len(read_jsonl(tmp_path / "report" / "pooled.jsonl")) == 4
+
+
+def test_multirun_sweep_writes_one_folder_per_job_and_pools(tmp_path):
+    """`python -m specblock.evaluate --multirun draft_length=2,3` on the tiny target, then eval-report."""
+    import subprocess
+    import sys
+
+    ensure_embedded_target(TINY_TARGET_DIR)
+    model, _ = load_target(TargetConfig(name_or_path=TINY_TARGET_DIR, dtype="float32"))
+    dcfg = SpecBlockConfig(block_size=2, num_layers=1, rank_hidden=16, num_feature_layers=3)
+    emb = model.get_input_embeddings().weight
+    folder = export_drafter(
+        build_drafter("specblock", dcfg, model.config, emb, emb), tmp_path / "d", name="specblock",
+        drafter_cfg=dcfg, target_config=model.config, target_id=TINY_TARGET_DIR, target_revision=None,
+        feature_layers=[2, 4, 5],
+    )  # fmt: skip
+    sweep = tmp_path / "sweep"
+    cmd = [
+        sys.executable, "-m", "specblock.evaluate", "--multirun", "draft_length=2,3",
+        f"target.name_or_path={TINY_TARGET_DIR}", f"drafters.specblock={folder}", "~drafters.eagle3",
+        "datasets=[humaneval]", "local_root=null", "limit=1", "max_new_tokens=4",
+        "methods=[autoregressive,chain-block]", f"hydra.sweep.dir={sweep}",
+    ]  # fmt: skip
+    subprocess.run(cmd, check=True, capture_output=True)
+    files = sorted(sweep.rglob("results.jsonl"))
+    assert [f.parent.name for f in files] == ["job0", "job1"]
+    assert [read_jsonl(f)[0]["L"] for f in files] == [2, 3]
+    from specblock.evaluate.sweep_report import sweep_report
+
+    assert [p.name for p in sweep_report(sweep, tmp_path / "report")] == ["block_efficiency_vs_L.png"]
+
+
+def test_wandb_logging_of_results_offline(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    from specblock.evaluate.metrics import Accumulator
+    from specblock.evaluate.report import records
+    from specblock.evaluate.run import _log_wandb
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    acc = Accumulator()
+    acc.add_iteration("gsm8k", "specblock:tree", accepted=2, emitted=3, draft_len=4, drafter_calls=2)
+    acc.add_generation("gsm8k", "specblock:tree", tokens=4, seconds=1.0, target_calls=1)
+    _log_wandb(EvalConfig(logger="wandb", run_name="t"), records(acc, {"K": 1}), tmp_path)
+    assert list(tmp_path.glob("wandb/offline-run-*"))
