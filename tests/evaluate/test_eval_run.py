@@ -153,3 +153,28 @@ def test_wandb_logging_of_results_offline(tmp_path, monkeypatch):
     acc.add_generation("gsm8k", "specblock:tree", tokens=4, seconds=1.0, target_calls=1)
     _log_wandb(EvalConfig(logger="wandb", run_name="t"), records(acc, {"K": 1}), tmp_path)
     assert list(tmp_path.glob("wandb/offline-run-*"))
+
+
+def test_an_unavailable_eval_set_is_skipped_and_named(tmp_path, monkeypatch):
+    """Offline without local files, the hub sets fail to load: the run goes on with the others."""
+    from specblock.evaluate import run as run_mod
+
+    real = run_mod.load_set
+
+    def load_set(cfg, name):
+        if name == "gsm8k":
+            raise RuntimeError("could not load openai/gsm8k from the Hugging Face hub: offline")
+        return real(cfg, name)
+
+    monkeypatch.setattr(run_mod, "load_set", load_set)
+    ensure_embedded_target(TINY_TARGET_DIR)
+    cfg = EvalConfig(
+        output_dir=str(tmp_path), target=TargetConfig(name_or_path=TINY_TARGET_DIR, dtype="float32"),
+        methods=["autoregressive"], datasets=["gsm8k", "humaneval"], local_root=None, limit=1, max_new_tokens=2,
+    )  # fmt: skip
+    rows = evaluate(cfg)
+    assert {r["dataset"] for r in rows} == {"humaneval", "overall"}
+    assert "Skipped evaluation sets (not available here): gsm8k" in (tmp_path / "results.md").read_text()
+    with pytest.raises(RuntimeError, match="offline"):
+        cfg.on_unavailable = "error"
+        evaluate(cfg)
