@@ -24,7 +24,6 @@ from __future__ import annotations
 import inspect
 import time
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from torch import Tensor
@@ -32,7 +31,6 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from specblock.data.target import FeatureTarget
 from specblock.evaluate.drafting import (
-    DrafterSession,
     DraftTree,
     Prefix,
     Root,
@@ -44,7 +42,14 @@ from specblock.evaluate.drafting import (
     specblock_tree,
 )
 from specblock.evaluate.laws import GREEDY, next_token_law
-from specblock.evaluate.verify import CROSS_ITERATION, SINGLE_DRAFT, VERIFIERS, get_verifier, verify_tree
+from specblock.evaluate.verify import (
+    CROSS_ITERATION,
+    SINGLE_DRAFT,
+    VERIFIERS,
+    TokenTree,
+    get_verifier,
+    verify_tree,
+)
 from specblock.evaluate.verify.sampling import Sampler, TorchSampler
 
 MODES = ("chain", "iid", "tree", "autoregressive")
@@ -380,7 +385,5 @@ class SpeculativeDecoder:
         return stats, emitted, new_root
 
 
-def _as_token_tree(tree: DraftTree):
-    from specblock.evaluate.verify import TokenTree
-
+def _as_token_tree(tree: DraftTree) -> TokenTree:
     return TokenTree(list(tree.parents), [0, *tree.tokens[1:]])

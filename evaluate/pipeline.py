@@ -70,7 +70,7 @@ def train_stage(drafter: str, extra: list[str]) -> Path:
         if diff:
             raise SystemExit(
                 f"{run_dir} holds a run with another config; differing keys:\n  " + "\n  ".join(diff)
-                + f"\nmove it away (or delete it) to retrain."
+                + "\nmove it away (or delete it) to retrain."
             )  # fmt: skip
         if (export / "model.safetensors").exists():
             print(f"[run] {drafter}: {export} exists with the same config, skipping training")
