@@ -44,8 +44,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from specblock.train.losses import rank_classes
+from specblock.train.losses import RANK_BUCKETS, leading_run, rank_classes, rank_of_token
 from specblock.train.modeling.specblock import SpecBlockDrafter
+from specblock.train.modeling.vocab import target_to_draft_ids
 
 ARMS = ("none", "rank_head", "last_layer", "lora")
 
@@ -141,14 +142,12 @@ def feedback_loss(
     ok = valid & (targets >= 0)
     safe = targets.clamp(min=0)
     right = (logits.argmax(-1) == safe) & ok  # [T,K]
-    prefix = torch.cumprod(torch.cat([torch.ones_like(right[:, :1]), right[:, :-1]], 1).int(), 1).bool()
-    mask = ok & prefix
+    mask = ok & leading_run(right)
     ce = nn.functional.cross_entropy(logits.flatten(0, 1).float(), safe.flatten(), reduction="none")
     n = mask.sum().clamp(min=1)
     loss = (ce * mask.flatten()).sum() / n
     if rank_logits is not None:
-        ranks = (logits > logits.gather(-1, safe[..., None])).sum(-1) + 1  # [T,K] 1-based rank
-        classes = rank_classes(ranks, buckets)
+        classes = rank_classes(rank_of_token(logits, safe), buckets)
         rce = nn.functional.cross_entropy(
             rank_logits.flatten(0, 1).float(), classes.flatten(), reduction="none"
         )
@@ -357,18 +356,23 @@ class Adapter:
         self.events.append(event)
         return event
 
+    def _forward(self, feats: Tensor, toks: Tensor, labels: Tensor):
+        """The drafter, teacher-forced on one feedback segment -> (DrafterOutput, slot targets [T, K] as
+        draft-vocabulary ids (-1: not in it), their validity [T, K]), all on the drafter's device."""
+        dev, dtype = self.drafter.d2t.device, next(self.drafter.parameters()).dtype
+        out = self.drafter(feats[None].to(dev, dtype), toks[None].to(dev))
+        targets, valid = slot_labels(labels, self.drafter.block_size)
+        return out, target_to_draft_ids(targets.to(dev), self.drafter.d2t), valid.to(dev)
+
     @torch.no_grad()
     def replay_acceptance(self, segments) -> float:
         """Mean accepted-prefix length per position (of K slots, greedy labels) of the current drafter on
         buffered feedback: the acceptance the verifier would have given these drafts, replayed for free."""
         total, count = 0.0, 0
-        K, dev = self.drafter.block_size, self.drafter.d2t.device
-        dtype = next(self.drafter.parameters()).dtype
         for feats, toks, labels in segments:
-            out = self.drafter(feats[None].to(dev, dtype), toks[None].to(dev))
-            targets, valid = slot_labels(labels, K)
+            out, targets, valid = self._forward(feats, toks, labels)
             full = valid.all(-1)  # positions with all K labels
-            right = (out.logits[0].argmax(-1).cpu() == self._to_draft(targets)) & valid
+            right = (out.logits[0].argmax(-1) == targets) & valid
             accepted = torch.cumprod(right.int(), dim=1).sum(-1)  # leading right slots
             total += float(accepted[full].sum())
             count += int(full.sum())
@@ -393,9 +397,7 @@ class Adapter:
         for p in params:
             p.requires_grad_(True)
         opt = torch.optim.Adam(params, lr=self.cfg.lr)
-        dtype = next(self.drafter.parameters()).dtype
-        K = self.drafter.block_size
-        buckets = tuple(getattr(getattr(self.drafter, "cfg", None), "rank_buckets", (1, 4, 10)))
+        buckets = tuple(getattr(getattr(self.drafter, "cfg", None), "rank_buckets", RANK_BUCKETS))
         self.drafter.train()
         loss_value = None
         try:
@@ -403,13 +405,9 @@ class Adapter:
                 opt.zero_grad()
                 total = 0.0
                 for feats, toks, labels in segments:
-                    dev = self.drafter.d2t.device
-                    out = self.drafter(feats[None].to(dev, dtype), toks[None].to(dev))
-                    targets, valid = slot_labels(labels, K)
+                    out, targets, valid = self._forward(feats, toks, labels)
                     rank = None if out.rank_logits is None else out.rank_logits[0]
-                    loss, _ = feedback_loss(
-                        out.logits[0], rank, self._to_draft(targets).to(dev), valid.to(dev), buckets
-                    )
+                    loss, _ = feedback_loss(out.logits[0], rank, targets, valid, buckets)
                     (loss / len(segments)).backward()
                     total += float(loss.detach()) / len(segments)
                 opt.step()
@@ -419,11 +417,3 @@ class Adapter:
             for p, f in zip(self.drafter.parameters(), frozen):
                 p.requires_grad_(f)
         return loss_value
-
-    def _to_draft(self, targets: Tensor) -> Tensor:
-        """Target ids [..] -> draft-vocabulary ids (-1 where the token is not in the draft vocabulary)."""
-        d2t = self.drafter.d2t.cpu()
-        lookup = torch.full((int(d2t.max()) + 2,), -1, dtype=torch.long)
-        lookup[d2t] = torch.arange(d2t.numel())
-        t = targets.clamp(max=lookup.numel() - 1)
-        return torch.where(targets < lookup.numel() - 1, lookup[t], torch.full_like(targets, -1))

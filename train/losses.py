@@ -114,7 +114,7 @@ def _check_buckets(buckets: tuple[int, ...]) -> None:
         raise ValueError(f"rank buckets must be strictly increasing ranks >= 1, got {buckets}")
 
 
-def _leading_run(ok: Tensor) -> Tensor:
+def leading_run(ok: Tensor) -> Tensor:
     """[..., K] bool -> [..., K] bool: True at slot k iff ok[..., :k] are all True (slot 0: always)."""
     run = torch.cumprod(ok.long(), dim=-1)  # 1 while every slot so far, inclusive, is ok
     return torch.cat([torch.ones_like(run[..., :1]), run[..., :-1]], dim=-1).bool()
@@ -185,7 +185,7 @@ def top1_correct(draft_logits: Tensor, teacher_logits: Tensor, valid: Tensor) ->
 def valid_prefix_mask(draft_logits: Tensor, teacher_logits: Tensor, valid: Tensor) -> Tensor:
     """The authors' chain mask: [B,S,K] bool, True where slot k is valid and slots 0..k-1 at that
     position are all top-1 correct (and valid). Slot k itself counts even if it is wrong."""
-    return valid & _leading_run(top1_correct(draft_logits, teacher_logits, valid))
+    return valid & leading_run(top1_correct(draft_logits, teacher_logits, valid))
 
 
 def prefix_weight(cfg: CurriculumConfig, step: int, epoch: float) -> float:
@@ -205,11 +205,16 @@ def prefix_weight(cfg: CurriculumConfig, step: int, epoch: float) -> float:
 
 
 @torch.no_grad()
-def rank_of_target(draft_logits: Tensor, teacher_logits: Tensor) -> Tensor:
-    """[B,S,K,V] x2 -> [B,S,K] long: 1-based rank of the teacher's argmax token in the draft logits,
+def rank_of_token(draft_logits: Tensor, token: Tensor) -> Tensor:
+    """draft_logits [..., V], token [...] long -> [...] long: 1-based rank of `token` in the draft logits,
     1 + the number of tokens with a strictly higher draft logit (ties rank optimistically)."""
-    target = teacher_logits.argmax(-1, keepdim=True)  # [B,S,K,1]
-    return 1 + (draft_logits > draft_logits.gather(-1, target)).sum(-1)
+    return 1 + (draft_logits > draft_logits.gather(-1, token[..., None])).sum(-1)
+
+
+@torch.no_grad()
+def rank_of_target(draft_logits: Tensor, teacher_logits: Tensor) -> Tensor:
+    """[B,S,K,V] x2 -> [B,S,K] long: 1-based rank of the teacher's argmax token in the draft logits."""
+    return rank_of_token(draft_logits, teacher_logits.argmax(-1))
 
 
 def rank_classes(ranks: Tensor, buckets: tuple[int, ...] = RANK_BUCKETS) -> Tensor:
@@ -258,7 +263,7 @@ def class_balance_weights(classes: Tensor, mask: Tensor, num_classes: int, budge
 def rank_chain_mask(pred: Tensor, classes: Tensor, valid: Tensor) -> Tensor:
     """Rank-chain curriculum: pred, classes [B,S,K] long, valid [B,S,K] bool -> [B,S,K] bool, True on
     slots 0..M where M is the first slot whose rank prediction is wrong (inclusive), valid only."""
-    return valid & _leading_run(valid & (pred == classes))
+    return valid & leading_run(valid & (pred == classes))
 
 
 def rank_loss(
@@ -381,7 +386,7 @@ def specblock_loss(
     _check_shapes(draft_logits, teacher_logits, valid, rank_logits, n_classes)
     # Valid-prefix mask and curriculum alpha (no gradient).
     correct = top1_correct(draft_logits, teacher_logits, valid)  # [B,S,K]
-    prefix = valid & _leading_run(correct)
+    prefix = valid & leading_run(correct)
     alpha = prefix_weight(cfg.curriculum, step, epoch)
     # Distillation: forward KL per slot, (1-alpha) * full + alpha * valid-prefix, weighted by decay^k.
     kl = forward_kl(draft_logits, teacher_logits, valid, cfg.draft_topk)
