@@ -289,6 +289,11 @@ class FeatureTarget:
             use_cache=False,
             output_hidden_states=True,
         )
+        return self.outputs(out, with_logits=with_logits)
+
+    def outputs(self, out, *, with_logits: bool = True) -> TargetOutput:
+        """A base-model output called with output_hidden_states=True -> the TargetOutput (how a caller that
+        runs the model itself, e.g. with a KV cache, reads the same features)."""
         states = out.hidden_states
         if len(states) != self.num_layers + 1:
             raise RuntimeError(

@@ -36,10 +36,8 @@ from specblock.evaluate.drafting import (
     Root,
     TreeConfig,
     drafts_tree,
-    eagle_tree,
     make_session,
     sample_drafts,
-    specblock_tree,
 )
 from specblock.evaluate.laws import GREEDY, next_token_law
 from specblock.evaluate.verify import (
@@ -160,9 +158,8 @@ class TargetSession:
             **{self._cache_kw: self.cache},
         )
         self.calls += 1
-        states = out.hidden_states
-        features = torch.cat([states[i] for i in self.target.feature_layers], dim=-1)[0]
-        return features, self.target.logits_from_hidden(out.last_hidden_state)[0]
+        res = self.target.outputs(out)
+        return res.features[0], res.logits[0]
 
     def keep(self, committed: int, kept: list[int]) -> None:
         """After a forward: keep the first `committed` cache entries and, of the entries fed after them,
@@ -215,16 +212,15 @@ class LawBook:
     `plain[g]` is the target's (tempered) law after g, for every node a forward saw; while continuations
     are in force, `law(g)` reads the newest `Level`."""
 
-    def __init__(self, temperature: float, top_p: float):
-        self.temperature, self.top_p = temperature, top_p
+    def __init__(self):
         self.plain: dict[Prefix, Tensor] = {}
         self.levels: list[Level] = []  # in force, oldest first
 
     def law(self, g: Prefix) -> Tensor:
         return self.levels[-1].law(g) if self.levels else self.plain[g]
 
-    def add_rows(self, base: Prefix, tree: DraftTree, logits: Tensor) -> None:
-        laws = next_token_law(logits, self.temperature, self.top_p).double()
+    def add_rows(self, base: Prefix, tree: DraftTree, laws: Tensor) -> None:
+        """laws [N, V]: the target's (tempered) law at each node of a tree drafted after `base`."""
         for n in range(len(tree)):
             self.plain[base + tree.path_tokens(n)] = laws[n]
 
@@ -266,7 +262,6 @@ class SpeculativeDecoder:
             raise ValueError(f"decode.mode={cfg.mode} needs a drafter")
         self.cfg, self.eos = cfg, set(eos)
         self.target = TargetSession(target)
-        self.vocab_size = target.vocab_size
         self.drafter = None
         if drafter is not None and cfg.mode != "autoregressive":
             self.drafter = make_session(drafter, target.vocab_size, cfg.temperature, cfg.top_p)
@@ -302,7 +297,7 @@ class SpeculativeDecoder:
             self.adapter.new_request()
             self.adapter.collect(features, after, logits)
         root = self.drafter.advance(features, after, 0)
-        book, iterations = LawBook(self.cfg.temperature, self.cfg.top_p), []
+        book, iterations = LawBook(), []
         while len(out) < self.cfg.max_new_tokens and out[-1] not in self.eos:
             stats, emitted, root = self._iteration(prompt, out, root, book, gen)
             room = self.cfg.max_new_tokens - len(out)
@@ -324,8 +319,7 @@ class SpeculativeDecoder:
         """-> (tree, drafts [K,L] or None, draft_probs [K,L,V] or None, node[k][i])."""
         cfg = self.cfg
         if cfg.mode == "tree":
-            fn = specblock_tree if hasattr(root.session, "K") else eagle_tree
-            return fn(root, cfg.tree), None, None, None
+            return root.session.tree(root, cfg.tree), None, None, None
         k = cfg.num_drafts
         if self.greedy:  # identical one-hot drafts: draw once, copy
             tokens, probs = sample_drafts(root, 1, cfg.draft_length, gen)
@@ -341,15 +335,14 @@ class SpeculativeDecoder:
         tree, tokens, draft_probs, nodes = self._draft(root, gen)
         features, logits = self.target.forward([out[-1], *tree.tokens[1:]], [-1, *tree.parents[1:]])
         t0 = time.perf_counter()
+        laws = next_token_law(logits, self.cfg.temperature, self.cfg.top_p).double()  # [N, V] per node
         if tokens is None:  # a dynamic tree, target-only rule (or greedy at temperature 0)
-            book.add_rows(base, tree, logits)
-            q = torch.stack([book.plain[base + tree.path_tokens(n)] for n in range(len(tree))])
             res = verify_tree(
-                _as_token_tree(tree), q, mode="greedy" if self.greedy else "deterministic", sampler=gen
+                _as_token_tree(tree), laws, mode="greedy" if self.greedy else "deterministic", sampler=gen
             )
             path, nxt, cont = res.path, res.next_token, None
         else:
-            book.add_rows(base, tree, logits)
+            book.add_rows(base, tree, laws)
             L = tokens.shape[1]
             target_probs = torch.stack(
                 [
@@ -371,14 +364,13 @@ class SpeculativeDecoder:
             book.carry(base, self.cfg.draft_length, cont, root, base + tuple(emitted))
         else:
             book.plain.clear()
-        # the drafter appends the root and the accepted nodes (their features), each with its next token;
-        # not after the last iteration (nothing would read it)
+        # the verified positions: the root and the accepted nodes, each with the token after it
+        verified, after = features[[0, *path]], torch.tensor(emitted)
         if self.adapter is not None:  # the feedback verification gives for free
-            self.adapter.collect(features[[0, *path]], torch.tensor(emitted), logits[[0, *path]])
+            self.adapter.collect(verified, after, logits[[0, *path]])
+        # the drafter appends them, not after the last iteration (nothing would read it)
         done = len(out) + len(emitted) >= self.cfg.max_new_tokens or bool(self.eos & set(emitted))
-        new_root = (
-            None if done else self.drafter.advance(features[[0, *path]], torch.tensor(emitted), committed)
-        )
+        new_root = None if done else self.drafter.advance(verified, after, committed)
         calls, seconds = self.drafter.cost.take()
         depth = max(tree.depth) if tokens is None else tokens.shape[1]
         stats = IterationStats(accepted, len(emitted), depth, calls, seconds, verify_seconds)

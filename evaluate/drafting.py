@@ -180,6 +180,10 @@ class DrafterSession:
     def logits_after(self, root: Root, prefix: Prefix) -> Tensor:
         raise NotImplementedError
 
+    def tree(self, root: Root, cfg: TreeConfig) -> DraftTree:
+        """This drafter's dynamic draft tree at `root`."""
+        raise NotImplementedError
+
 
 class SpecBlockSession(DrafterSession):
     """States are blocks, keyed by the prefix they start after: () is the root block, y[:bK] block b."""
@@ -215,6 +219,9 @@ class SpecBlockSession(DrafterSession):
     def logits_after(self, root: Root, prefix: Prefix) -> Tensor:
         return root._state[prefix[: len(prefix) // self.K * self.K]][0][len(prefix) % self.K]
 
+    def tree(self, root: Root, cfg: TreeConfig) -> DraftTree:
+        return specblock_tree(root, cfg)
+
 
 class Eagle3Session(DrafterSession):
     """States are steps, keyed by the full prefix: () is step 0 at the root, y the step after y."""
@@ -249,6 +256,9 @@ class Eagle3Session(DrafterSession):
 
     def logits_after(self, root: Root, prefix: Prefix) -> Tensor:
         return root._state[prefix][0]
+
+    def tree(self, root: Root, cfg: TreeConfig) -> DraftTree:
+        return eagle_tree(root, cfg)
 
 
 def _stack_caches(caches: list[DraftCache]) -> DraftCache:
