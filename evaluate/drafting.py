@@ -119,7 +119,8 @@ class Root:
 
     def logits(self, prefixes: list[Prefix]) -> Tensor:
         """[n, Vd] draft logits after each prefix, computing missing depths in batched drafter calls."""
-        return torch.stack([self.session.logits_after(self, y) for y in self._ensure(prefixes)])
+        self._ensure(prefixes)
+        return torch.stack([self.session.logits_after(self, y) for y in prefixes])
 
     def law(self, prefix: Prefix) -> Tensor:
         """[V] draft law (temperature / top-p applied) after `prefix`, over the target vocabulary, float64."""
@@ -129,13 +130,12 @@ class Root:
             self._law[prefix] = scatter_law(law, self.session.d2t, self.session.vocab_size)
         return self._law[prefix]
 
-    def _ensure(self, prefixes: list[Prefix]) -> list[Prefix]:
+    def _ensure(self, prefixes: list[Prefix]) -> None:
         need = sorted({k for y in prefixes for k in self.session.keys_for(y)}, key=len)
         missing = [k for k in need if k not in self._state]
         for depth in sorted({len(k) for k in missing}):
             batch = [k for k in missing if len(k) == depth]
             self._state.update(self.session.compute(self, batch))
-        return prefixes
 
 
 class DrafterSession:

@@ -100,6 +100,30 @@ def markdown_report(rows: Iterable[Mapping[str, Any]]) -> str:
     )
 
 
+def cost_table(rows: Iterable[Mapping[str, Any]]) -> str:
+    """The OVERALL row of every method: tau, block efficiency, drafter calls and ms per emitted token,
+    verification ms per emitted token, tokens/s, speedup."""
+
+    def ms(x: float | None) -> str:
+        return _fmt(None if x is None else x * 1e3)
+
+    lines = [
+        "\n## Overall costs\n",
+        "| method | tau | tokens / target call | drafter calls / token | drafter ms / token | verify ms / token | tokens / s | speedup |",
+        "|---|---|---|---|---|---|---|---|",
+    ]  # fmt: skip
+    for r in rows:
+        if r["dataset"] != OVERALL:
+            continue
+        m = r["metrics"]
+        lines.append(
+            f"| {r['method']} | {_fmt(m['tau'])} | {_fmt(m['block_efficiency'])} "
+            f"| {_fmt(m['drafter_calls_per_token'])} | {ms(m['drafter_seconds_per_token'])} "
+            f"| {ms(m['verify_seconds_per_token'])} | {_fmt(m['tokens_per_second'], 1)} | {_fmt(m['speedup'])} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def write_markdown(path: str | os.PathLike, rows: Iterable[Mapping[str, Any]]) -> None:
     with atomic_path(path) as tmp:
         tmp.write_text(markdown_report(rows))

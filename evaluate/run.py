@@ -28,7 +28,7 @@ from .config import EvalConfig, parse_method
 from .decode import DecodeConfig, Generation, SpeculativeDecoder
 from .drafting import TreeConfig
 from .metrics import AUTOREGRESSIVE, Accumulator
-from .report import markdown_report, plot_acceptance_at, records, write_jsonl
+from .report import cost_table, markdown_report, plot_acceptance_at, records, write_jsonl
 
 AUTO_ROOT = "../shared/datasets"
 SEPARATOR = ":"  # method labels: "<drafter>:<method>", e.g. "specblock:tree"
@@ -99,7 +99,7 @@ def decode_config(cfg: EvalConfig, method: str, drafter: str | None) -> DecodeCo
         temperature=cfg.temperature,
         top_p=cfg.top_p,
         max_new_tokens=cfg.max_new_tokens,
-        tree=cfg.trees.get(drafter) or TreeConfig() if drafter else TreeConfig(),
+        tree=cfg.trees.get(drafter, TreeConfig()),
     )
 
 
@@ -183,7 +183,7 @@ def evaluate(cfg: EvalConfig, resolved: dict[str, Any] | None = None) -> list[di
     for r in rows:
         r["greedy_mismatches"] = mismatches.get(r["method"], 0) if r["dataset"] == "overall" else None
     write_jsonl(out_dir / "results.jsonl", rows)
-    report = markdown_report(rows) + _cost_table(rows) + _mismatch_note(mismatches, cfg)
+    report = markdown_report(rows) + cost_table(rows) + _mismatch_note(mismatches, cfg)
     if unavailable:
         report += "\nSkipped evaluation sets (not available here): " + ", ".join(unavailable) + "\n"
     (out_dir / "results.md").write_text(report)
@@ -194,30 +194,6 @@ def evaluate(cfg: EvalConfig, resolved: dict[str, Any] | None = None) -> list[di
     print(report)
     print(f"results: {out_dir / 'results.jsonl'}, {out_dir / 'results.md'}, {out_dir / 'acceptance_at.png'}")
     return rows
-
-
-def _cost_table(rows: list[dict[str, Any]]) -> str:
-    """Overall per method: tau, block efficiency, drafter calls and ms per emitted token, verification ms
-    per emitted token, tokens/s, speedup."""
-
-    def f(x, scale=1.0, digits=2):
-        return "–" if x is None else f"{x * scale:.{digits}f}"
-
-    lines = [
-        "\n## Overall costs\n",
-        "| method | tau | tokens / target call | drafter calls / token | drafter ms / token | verify ms / token | tokens / s | speedup |",
-        "|---|---|---|---|---|---|---|---|",
-    ]  # fmt: skip
-    for r in rows:
-        if r["dataset"] != "overall":
-            continue
-        m = r["metrics"]
-        lines.append(
-            f"| {r['method']} | {f(m['tau'])} | {f(m['block_efficiency'])} | {f(m['drafter_calls_per_token'])} "
-            f"| {f(m['drafter_seconds_per_token'], 1e3)} | {f(m['verify_seconds_per_token'], 1e3)} "
-            f"| {f(m['tokens_per_second'], digits=1)} | {f(m['speedup'])} |"
-        )
-    return "\n".join(lines) + "\n"
 
 
 def _mismatch_note(mismatches: dict[str, int], cfg: EvalConfig) -> str:

@@ -79,11 +79,10 @@ def main() -> None:
     for label, dec, ad in runs:
         for i, (dataset, ids) in enumerate(prompts):
             start = time.perf_counter()
+            seen = len(ad.events) if ad is not None else 0
             g = dec.generate(ids)
             wall = time.perf_counter() - start  # includes an update made at the end of this request
-            event = (
-                ad.events[-1] if ad is not None and ad.events and ad._requests % ad.cfg.window == 0 else None
-            )
+            event = ad.events[-1] if ad is not None and len(ad.events) > seen else None  # a window closed
             rows.append(
                 {
                     "run": label, "request": i, "dataset": dataset, "tokens": len(g.tokens),
