@@ -95,14 +95,14 @@ def check_inputs(
             "expected target_probs [K, L+1, V], draft_probs [K, L, V], draft_tokens [K, L]; got "
             f"{tuple(target_probs.shape)}, {tuple(draft_probs.shape)}, {tuple(draft_tokens.shape)}"
         )
-    k, l, v = draft_probs.shape
-    if tuple(target_probs.shape) != (k, l + 1, v) or tuple(draft_tokens.shape) != (k, l):
+    k, n, v = draft_probs.shape
+    if tuple(target_probs.shape) != (k, n + 1, v) or tuple(draft_tokens.shape) != (k, n):
         raise ValueError(
-            f"shape mismatch: draft_probs {tuple(draft_probs.shape)} needs target_probs {(k, l + 1, v)} "
-            f"and draft_tokens {(k, l)}; got {tuple(target_probs.shape)} and {tuple(draft_tokens.shape)}"
+            f"shape mismatch: draft_probs {tuple(draft_probs.shape)} needs target_probs {(k, n + 1, v)} "
+            f"and draft_tokens {(k, n)}; got {tuple(target_probs.shape)} and {tuple(draft_tokens.shape)}"
         )
     if single and k != 1:
         raise ValueError(f"this verifier takes a single draft (K = 1), got K = {k}")
     if draft_tokens.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"draft_tokens must be an integer tensor, got {draft_tokens.dtype}")
-    return k, l, v
+    return k, n, v

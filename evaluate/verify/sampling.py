@@ -64,14 +64,40 @@ class TorchSampler:
         return self._uniforms(1)[0] < a
 
     def categorical(self, weights: torch.Tensor) -> int:
-        """weights: [V] non-negative, not necessarily normalised, with a positive sum.
+        """weights: [V] non-negative, not necessarily normalised, with a positive sum (any float dtype).
 
-        Inverse-CDF sampling: the first index whose cumulative weight exceeds u * total. A zero-weight
-        token can never be that index. (torch.multinomial costs about 2 ms at V = 128k on CPU, 25x more.)
+        Inverse-CDF sampling in float64: the first index whose cumulative weight exceeds u * total, so a
+        zero-weight token can never be that index. Over a large vocabulary it runs in two levels (block
+        sums, then the chosen block), one reduction pass instead of a float64 running sum over all of V
+        (torch.multinomial costs about 2 ms at V = 128k on CPU; the full float64 cumsum 80 us; this 25 us).
         """
-        cdf = torch.cumsum(weights, 0, dtype=ACC_DTYPE)  # float32 running sums drift at V = 128k
-        u = self._uniforms(1)[0] * cdf[-1]
-        return min(int(torch.searchsorted(cdf, u, right=True)), weights.numel() - 1)
+        w = weights.reshape(-1)
+        u = self._uniforms(1)[0]
+        if w.numel() <= 2 * CATEGORICAL_BLOCK:
+            return _inverse_cdf(w, u * float(w.sum(dtype=ACC_DTYPE)))
+        nb = w.numel() // CATEGORICAL_BLOCK
+        sums = w[: nb * CATEGORICAL_BLOCK].view(nb, CATEGORICAL_BLOCK).sum(-1, dtype=ACC_DTYPE)
+        if w.numel() > nb * CATEGORICAL_BLOCK:
+            sums = torch.cat([sums, w[nb * CATEGORICAL_BLOCK :].sum(dtype=ACC_DTYPE).view(1)])
+        cdf = torch.cumsum(sums, 0)
+        x = u * float(cdf[-1])
+        b = _inverse_cdf(sums, x, cdf)
+        lo = b * CATEGORICAL_BLOCK
+        return lo + _inverse_cdf(w[lo : lo + CATEGORICAL_BLOCK], x - (float(cdf[b - 1]) if b else 0.0))
+
+
+# Block size of TorchSampler.categorical's two-level inverse CDF.
+CATEGORICAL_BLOCK = 512
+
+
+def _inverse_cdf(w: torch.Tensor, x: float, cdf: torch.Tensor | None = None) -> int:
+    """The first index i with sum(w[:i+1]) > x (float64 running sums). If rounding puts x at or past the
+    total (x = u * total with u just below 1), the last index of positive weight."""
+    cdf = torch.cumsum(w, 0, dtype=ACC_DTYPE) if cdf is None else cdf
+    i = int(torch.searchsorted(cdf, x, right=True))
+    if i < w.numel():
+        return i
+    return int(torch.nonzero(w > 0)[-1])
 
 
 def make_sampler(generator: torch.Generator | None, sampler: Sampler | None) -> Sampler:

@@ -96,3 +96,29 @@ def test_real_sampling_matches_the_exact_outcome_law(name, k):
 def test_exact_sampler_prunes_impossible_branches():
     s = ExactSampler([])
     assert s.bernoulli(1.0) is True and s.options == [1]
+
+
+class _ScriptedUniforms(TorchSampler):
+    """A TorchSampler whose uniforms come from a list (to pin the inverse CDF's input)."""
+
+    def __init__(self, us):
+        super().__init__()
+        self._block = list(us)
+
+
+def test_two_level_categorical_is_the_inverse_cdf():
+    """Over a large vocabulary TorchSampler.categorical goes through block sums; it must pick the token
+    the plain float64 inverse CDF picks, never a zero-weight one, including at u just below 1."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.rand(5000, generator=g, dtype=torch.float32) ** 8
+    w[w < 0.05] = 0.0  # many zero weights, whole zero blocks too
+    w[1024:2048] = 0.0
+    w[-7:] = 0.0  # the tail past the last full block ends in zeros
+    cdf = torch.cumsum(w, 0, dtype=torch.float64)
+    us = torch.rand(400, generator=g, dtype=torch.float64).tolist() + [0.0, 1.0 - 2**-53, 0.5]
+    s = _ScriptedUniforms(us)
+    for u in us:
+        got = s.categorical(w)
+        ref = int(torch.searchsorted(cdf, u * float(cdf[-1]), right=True))
+        assert w[got] > 0
+        assert got == min(ref, int(torch.nonzero(w)[-1])), u

@@ -22,6 +22,7 @@ from specblock.evaluate.verify.exact import (
     law_error,
     sequences,
 )
+from specblock.evaluate.verify.greedy_block import Coupling, RGBVContinuation, Stage, committed_reach, row_law
 from specblock.evaluate.verify.laws import draft_rows
 from specblock.evaluate.verify.multidraft import RHO_TOL
 from specblock.evaluate.verify.sampling import ACC_DTYPE, backward_scan, make_sampler
@@ -181,6 +182,76 @@ def test_whole_decodes_keep_the_target_law(name, k):
     result = decode_law(get_verifier(name), target, draft, k, 2, 4)
     assert law_error(result.law, target, 4) < TOL
     assert 1.0 <= result.tokens_per_call <= 3.0
+
+
+# ----------------------------------------------------------------------------- RGBV reference
+def reference_rgbv(target_probs, draft_probs, draft_tokens, generator=None, *, sampler=None):
+    """SpecTr-GBV written straight from the general Coupling (every row by prefix, memoised, lazy): the
+    form the continuation uses. The registered verifier runs PathCoupling (rows by position, batched
+    passes, the set H found from committed tokens); both must give the same outcome law."""
+    s, tokens = make_sampler(generator, sampler), draft_tokens.tolist()
+    n = len(tokens[0])
+    coupling = Coupling(draft_rows(target_probs, draft_probs, tokens), n)
+
+    def weight(path, i):
+        j, y = len(coupling.stages), path[:i]
+        q_i, p_i = coupling.joint(j, y), coupling.draft_joint(y)
+        if q_i <= 0.0:
+            return 0.0
+        if q_i >= p_i or i == n:
+            return min(1.0, q_i / p_i) if p_i > 0 else 1.0
+        row = coupling.law(j, y)
+        if row.token is not None:
+            a = max(q_i - p_i * coupling.rows.p(y, row.token), 0.0)
+        else:
+            c = q_i / coupling.rows.mass(y, row.lam)
+            a = c * coupling.rows.mass(y, coupling.residual_lam(y, row, q_i, p_i))
+        return a / (a + p_i - q_i)
+
+    best_k, best_tau = 0, 0
+    for k, x in enumerate(tokens):
+        tau = backward_scan(s, lambda i, path=tuple(x): weight(path, i), n)
+        coupling.stages.append(Stage(tuple(x), tau))
+        if tau > best_tau:
+            best_k, best_tau = k, tau
+        if best_tau == n:
+            break
+    cont = RGBVContinuation(tuple(coupling.stages), n)
+    if best_tau == n:
+        return VerifyOutput(n, best_k, s.categorical(target_probs[best_k, n]), cont)
+    best = tuple(tokens[best_k][:best_tau])
+    return VerifyOutput(
+        best_tau, best_k, s.categorical(row_law(coupling.rows, best, coupling.law(k + 1, best))), cont
+    )
+
+
+@pytest.mark.parametrize(
+    "vocab,k,n,sparsity", [(4, 2, 3, 0.4), (4, 3, 2, 0.5), (5, 2, 2, 0.0), (4, 3, 3, 0.6)]
+)
+def test_fast_rgbv_equals_the_reference_form(vocab, k, n, sparsity):
+    """Same outcomes with the same probabilities, continuation included (its key is the stages' accepted
+    tokens), for every draft tuple and random path."""
+    for seed in (3, 4):
+        target, draft = models(vocab, seed=seed, sparsity=sparsity)
+
+        def law(verifier):
+            return {
+                (o.emitted, o.num_accepted, o.continuation.cache_key()): o.prob
+                for o in iteration_outcomes(verifier, target, draft, k, n)
+            }
+
+        fast, ref = law(get_verifier("spectr_gbv")), law(reference_rgbv)
+        assert set(fast) == set(ref)
+        assert max(abs(fast[o] - ref[o]) for o in ref) < 1e-12
+
+
+def test_committed_reach_finds_the_rejected_sub_blocks():
+    stages = [Stage((1, 2, 3), 2), Stage((1, 0, 0), 0)]
+    assert committed_reach(stages, (1, 2, 0)) == 3  # follows the committed (1, 2)
+    assert committed_reach(stages, (1, 3, 3)) == 1  # leaves it at position 1: dead past (1,)
+    assert committed_reach(stages, (0,)) == 0
+    assert committed_reach(stages, (1,)) == 1
+    assert committed_reach([], (5, 5)) == 2
 
 
 # ----------------------------------------------------------------------------- negative controls
