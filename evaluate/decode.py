@@ -184,6 +184,7 @@ class Level:
         self.book, self.start, self.horizon = book, start, horizon
         self.cont, self.root, self.prev = cont, root, prev
         self.memo: dict[Prefix, Tensor] = {}
+        self.lookups = None  # (target_at, draft_at) relative to the block start, made once per level
 
     def law(self, g: Prefix) -> Tensor:
         if len(g) >= self.horizon:
@@ -191,20 +192,22 @@ class Level:
         if g not in self.memo:
             if self.cont is None:
                 raise RuntimeError(f"frozen continuation asked for an uncommitted prefix of length {len(g)}")
-            base, prev = g[: self.start], self.prev
-            target_at = (
-                (lambda y: prev.law(base + tuple(y)))
-                if prev
-                else (lambda y: self.book.plain[base + tuple(y)])
-            )
-            self.memo[g] = self.cont(g[self.start :], target_at, lambda y: self.root.law(tuple(y))).double()
+            if self.lookups is None:  # every prefix asked extends the same block start g[:start]
+                base, prev, root = g[: self.start], self.prev, self.root
+                target_at = (
+                    (lambda y: prev.law(base + tuple(y)))
+                    if prev
+                    else (lambda y: self.book.plain[base + tuple(y)])
+                )
+                self.lookups = (target_at, lambda y: root.law(tuple(y)))
+            self.memo[g] = self.cont(g[self.start :], *self.lookups).double()
         return self.memo[g]
 
     def freeze(self, out: Prefix) -> None:
         """Once the emitted tokens reach the horizon, the next level can only ask about committed
         prefixes, all memoised by then: keep those, drop the drafter state and the chain behind."""
         self.memo = {g: v for g, v in self.memo.items() if out[: len(g)] == g}
-        self.cont = self.root = self.prev = None
+        self.cont = self.root = self.prev = self.lookups = None
 
 
 class LawBook:
@@ -272,7 +275,7 @@ class SpeculativeDecoder:
 
     def _sample(self, logits: Tensor, gen: Sampler) -> int:
         law = next_token_law(logits, self.cfg.temperature, self.cfg.top_p)
-        return int(law.argmax()) if self.greedy else gen.categorical(law.double())
+        return int(law.argmax()) if self.greedy else gen.categorical(law)
 
     def generate(self, prompt: list[int], seed: int = 0, sampler: Sampler | None = None) -> Generation:
         """New tokens after `prompt`. Every random choice (drafts, verification, target samples) goes

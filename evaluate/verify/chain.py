@@ -45,7 +45,7 @@ def token_verify(
     # Accept X_i with probability min(1, q(X_i | X^{i-1}) / p(X_i | X^{i-1})), left to right.
     tau = s.first_failure(clipped_ratio(path_probs(q, x), path_probs(p, x)))
     if tau == n:  # every draft token accepted: bonus token from q(. | X^L)
-        return VerifyOutput(tau, 0, s.categorical(q[n].to(ACC_DTYPE)))
+        return VerifyOutput(tau, 0, s.categorical(q[n]))
     # Rejected at position tau+1: correction from the token-wise residual (q - p)_+ / TV(q, p).
     rows = draft_rows(target_probs, draft_probs, draft_tokens.tolist())
     return VerifyOutput(tau, 0, s.categorical(rows.residual(tuple(x[:tau].tolist()), 1.0)))
@@ -96,7 +96,7 @@ def block_verify(
 
     tau = backward_scan(s, weight, n)
     if tau == n:
-        return VerifyOutput(tau, 0, s.categorical(q[n].to(ACC_DTYPE)))
+        return VerifyOutput(tau, 0, s.categorical(q[n]))
     if run[tau] == 0.0:  # (0 q - p)_+ = 0: a branch of probability 0, any law will do
-        return VerifyOutput(tau, 0, s.categorical(q[tau].to(ACC_DTYPE)))
+        return VerifyOutput(tau, 0, s.categorical(q[tau]))
     return VerifyOutput(tau, 0, s.categorical(rows.residual(prefixes[tau], 1.0 / run[tau])))

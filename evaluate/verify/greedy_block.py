@@ -33,7 +33,7 @@ tests check that the verifier and a verifier written on `Coupling` give the same
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -143,10 +143,22 @@ class Coupling:
 
 @dataclass(frozen=True)
 class RGBVContinuation:
-    """The law the next iterations verify against: T_{K+1} after every verified draft (Algorithm 2)."""
+    """The law the next iterations verify against: T_{K+1} after every verified draft (Algorithm 2).
+
+    Called with the same two law lookups again (the decoding loop asks for every prefix of the next
+    iteration's drafts), it keeps one Coupling for them, so the prefixes share their ancestors' rows and
+    residual masses instead of replaying every stage along every prefix from scratch.
+    """
 
     stages: tuple[Stage, ...]
     horizon: int
+    _bound: list = field(default_factory=list, compare=False, hash=False, repr=False)
+
+    def _coupling(self, target_probs_at: LawAt, draft_probs_at: LawAt) -> Coupling:
+        if not (self._bound and self._bound[0] is target_probs_at and self._bound[1] is draft_probs_at):
+            rows = Rows(target_probs_at, draft_probs_at)
+            self._bound[:] = [target_probs_at, draft_probs_at, Coupling(rows, self.horizon, self.stages)]
+        return self._bound[2]
 
     def cache_key(self) -> tuple:
         """Equal keys give equal laws: a stage only matters through its accepted tokens."""
@@ -160,7 +172,7 @@ class RGBVContinuation:
             return target_probs_at(prefix)
         if committed_reach(self.stages, prefix) < len(prefix):  # probability 0 under T: any law will do
             return target_probs_at(prefix)
-        coupling = Coupling(Rows(target_probs_at, draft_probs_at), self.horizon, self.stages)
+        coupling = self._coupling(target_probs_at, draft_probs_at)
         j = len(self.stages)
         if coupling.joint(j, prefix) <= 0.0:  # the prefix has probability 0 under T: any law will do
             return target_probs_at(prefix)

@@ -38,7 +38,7 @@ def walk_drafts(draft_tokens: torch.Tensor, rows: Rows, rule: NodeRule, s: Sampl
             return VerifyOutput(i, alive[0], token)
         prefix += (candidates[choice],)
         alive = [j for j in alive if tokens[j][i] == candidates[choice]]
-    return VerifyOutput(n, alive[0], s.categorical(rows.target_at(prefix).to(ACC_DTYPE)))
+    return VerifyOutput(n, alive[0], s.categorical(rows.target_at(prefix)))
 
 
 def kseq_rho(rows: Rows, y: Prefix, k: int) -> tuple[float, float]:
@@ -92,7 +92,7 @@ def rrs_rule(rows: Rows, y: Prefix, candidates: list[int], s: Sampler):
         if s.bernoulli(min(1.0, r_x / px) if px > 0 else float(r_x > 0)):
             return j, None
         lam += mass
-    return None, rows.residual(y, lam) if rows.mass(y, lam) > 0 else rows.target_at(y).to(ACC_DTYPE)
+    return None, rows.residual(y, lam) if rows.mass(y, lam) > 0 else rows.target_at(y)
 
 
 def greedy_token(q: torch.Tensor) -> int:
