@@ -69,7 +69,7 @@ class TorchSampler:
         Inverse-CDF sampling in float64: the first index whose cumulative weight exceeds u * total, so a
         zero-weight token can never be that index. Over a large vocabulary it runs in two levels (block
         sums, then the chosen block), one reduction pass instead of a float64 running sum over all of V
-        (torch.multinomial costs about 2 ms at V = 128k on CPU; the full float64 cumsum 80 us; this 25 us).
+        (at V = 128k on our CPU: torch.multinomial about 2 ms, a float64 cumsum over V 80-700 us, this 40 us).
         """
         w = weights.reshape(-1)
         u = self._uniforms(1)[0]
