@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .base import LawAt, VerifyOutput, check_inputs, register_verifier
-from .laws import Prefix, Rows, residual_masses, working
+from .laws import Prefix, Rows, residual_law, residual_masses, token_probs, working
 from .sampling import ACC_DTYPE, Sampler, backward_scan, make_sampler
 
 
@@ -200,9 +200,7 @@ class PathCoupling:
         self.n = n = len(tokens[0])
         first: dict[Prefix, tuple[int, int]] = {}  # drafts sharing a prefix share its row
         self.row = [[first.setdefault(tuple(x[:i]), (k, i)) for i in range(n)] for k, x in enumerate(tokens)]
-        x = torch.tensor(tokens, dtype=torch.int64, device=draft_probs.device)[:, :, None]
-        self.qx = target_probs[:, :n].gather(-1, x).squeeze(-1).tolist()
-        self.px = draft_probs.gather(-1, x).squeeze(-1).tolist()
+        self.qx, self.px = token_probs(target_probs, draft_probs, tokens)
         self.P = []  # P[k][i] = P(draft k's first i tokens)
         for pk in self.px:
             joint = [1.0]
@@ -306,8 +304,8 @@ def recursive_gbv(target_probs, draft_probs, draft_tokens, s: Sampler) -> Verify
     lam, token, _ = pc.laws[pc.row[best_k][best_tau]][len(pc.stages)]
     if token is not None:
         return VerifyOutput(best_tau, best_k, token, cont)
-    q, p = working(target_probs[best_k, best_tau]), draft_probs[best_k, best_tau]
-    law = torch.sub(q, p.to(q.dtype), alpha=lam).clamp_(min=0) if lam else q
+    q = working(target_probs[best_k, best_tau])
+    law = residual_law(q, draft_probs[best_k, best_tau], lam) if lam else q
     return VerifyOutput(best_tau, best_k, s.categorical(law), cont)
 
 

@@ -51,6 +51,11 @@ def residual_mass(q: torch.Tensor, p: torch.Tensor, lam: float) -> float:
     return float(diff.clamp_(min=0).sum())
 
 
+def residual_law(q: torch.Tensor, p: torch.Tensor, lam: float) -> torch.Tensor:
+    """(q - lam p)_+ as a new [V] tensor in q's dtype (q float32/float64), unnormalised."""
+    return torch.sub(q, p.to(q.dtype), alpha=lam).clamp_(min=0)
+
+
 def residual_masses(q: torch.Tensor, p: torch.Tensor, lams: list[float]) -> list[float]:
     """S(lam_r) for each row r of q [R, V], p [R, V] (any float dtype), in ONE pass over the rows."""
     q = working(q)
@@ -101,10 +106,22 @@ class Rows:
         return self._mass[key]
 
     def residual(self, y: Prefix, lam: float) -> torch.Tensor:
-        """(q - lam p)_+ as a new [V] tensor in the working dtype (unnormalised; the sampler normalises
-        with a float64 cumulative sum)."""
-        q, p = working(self.target_at(y)), working(self.draft_at(y))
-        return torch.sub(q, p.to(q.dtype), alpha=lam).clamp_(min=0) if lam else q.clone()
+        """(q - lam p)_+ as a new [V] tensor (unnormalised; the sampler normalises in float64)."""
+        q = working(self.target_at(y))
+        return residual_law(q, self.draft_at(y), lam) if lam else q.clone()
+
+
+def token_probs(
+    target_probs: torch.Tensor, draft_probs: torch.Tensor, tokens: list[list[int]]
+) -> tuple[list[list[float]], list[list[float]]]:
+    """The draft tokens' own probabilities, gathered in one op each: q_path[k][i] = target_probs[k, i,
+    tokens[k][i]] and p_path[k][i] = draft_probs[k, i, tokens[k][i]] (K lists of L floats)."""
+    x = torch.tensor(tokens, dtype=torch.int64, device=draft_probs.device)[:, :, None]
+    n = draft_probs.shape[1]
+    return (
+        target_probs[:, :n].gather(-1, x).squeeze(-1).tolist(),
+        draft_probs.gather(-1, x).squeeze(-1).tolist(),
+    )
 
 
 def draft_rows(target_probs: torch.Tensor, draft_probs: torch.Tensor, tokens: list[list[int]]) -> Rows:
@@ -129,10 +146,7 @@ def draft_rows(target_probs: torch.Tensor, draft_probs: torch.Tensor, tokens: li
         return draft_probs[k, i]
 
     rows = Rows(target_at, draft_at)
-    # The draft tokens' own probabilities, gathered in one op: most scalar reads hit these.
-    x = torch.tensor(tokens, dtype=torch.int64, device=draft_probs.device)[:, :, None]
-    q_path = target_probs[:, :n].gather(-1, x).squeeze(-1).tolist()
-    p_path = draft_probs.gather(-1, x).squeeze(-1).tolist()
+    q_path, p_path = token_probs(target_probs, draft_probs, tokens)  # most scalar reads hit these
     for k, path in enumerate(tokens):
         for i in range(n):
             rows._q.setdefault(tuple(path[: i + 1]), q_path[k][i])

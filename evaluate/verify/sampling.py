@@ -74,7 +74,8 @@ class TorchSampler:
         w = weights.reshape(-1)
         u = self._uniforms(1)[0]
         if w.numel() <= 2 * CATEGORICAL_BLOCK:
-            return _inverse_cdf(w, u * float(w.sum(dtype=ACC_DTYPE)))
+            cdf = torch.cumsum(w, 0, dtype=ACC_DTYPE)
+            return _inverse_cdf(w, u * float(cdf[-1]), cdf)
         nb = w.numel() // CATEGORICAL_BLOCK
         sums = w[: nb * CATEGORICAL_BLOCK].view(nb, CATEGORICAL_BLOCK).sum(-1, dtype=ACC_DTYPE)
         if w.numel() > nb * CATEGORICAL_BLOCK:
