@@ -20,6 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from specblock.data.evalsets import EvalSetConfig, load_eval_set, prompt_ids
+from specblock.data.io import atomic_path
 from specblock.data.target import FeatureTarget, ensure_embedded_target, load_target
 from specblock.train.export import load_drafter
 
@@ -186,10 +187,12 @@ def evaluate(cfg: EvalConfig, resolved: dict[str, Any] | None = None) -> list[di
     report = markdown_report(rows) + cost_table(rows) + _mismatch_note(mismatches, cfg)
     if unavailable:
         report += "\nSkipped evaluation sets (not available here): " + ", ".join(unavailable) + "\n"
-    (out_dir / "results.md").write_text(report)
+    with atomic_path(out_dir / "results.md") as tmp:
+        tmp.write_text(report)
     plot_acceptance_at([r for r in rows if r["method"] != AUTOREGRESSIVE], out_dir / "acceptance_at.png")
-    if resolved is not None:
-        (out_dir / "config.json").write_text(json.dumps(resolved, indent=2, sort_keys=True, default=str))
+    if resolved is not None:  # written last: `specblock run` reads its presence as "this stage is done"
+        with atomic_path(out_dir / "config.json") as tmp:
+            tmp.write_text(json.dumps(resolved, indent=2, sort_keys=True, default=str))
     _log_wandb(cfg, rows, out_dir)
     print(report)
     print(f"results: {out_dir / 'results.jsonl'}, {out_dir / 'results.md'}, {out_dir / 'acceptance_at.png'}")
