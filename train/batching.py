@@ -13,6 +13,8 @@ from typing import Mapping, Sequence
 
 import torch
 
+from .losses import TeacherLaw
+
 
 def collate(rows: Sequence[Mapping[str, torch.Tensor]], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-pads rows of input_ids/loss_mask [T_i] into input_ids, attention_mask, loss_mask [B, T];
@@ -49,30 +51,26 @@ def teacher_and_valid(
     d2t: torch.Tensor,
     t2d: torch.Tensor,
     slots: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Teacher logits [B, S, K, Vd] and validity [B, S, K] for K slots.
+) -> tuple[TeacherLaw, torch.Tensor]:
+    """The teacher's law per target position and the validity of every (position, slot).
 
-    teacher[:, t, k] = target_logits[:, t+1+k, d2t] (-inf rows where t+1+k is past the end, never valid).
+    Returns law [B, T+slots] (a TeacherLaw over the draft vocabulary: row j is the target's softmax at
+    position j restricted to the draft vocabulary; rows j >= T are zero padding, never valid) and valid
+    [B, S, slots]. Slot k at context position t reads row t+1+k: `law.slot_grid(1 + offset, S, K)` gives a
+    block at token offset `offset` its [B, S, K, Vd] teacher as a view, without K copies.
     valid[:, t, k]: the predicted token t+2+k exists, is a real token, is an assistant token (loss_mask),
     and the target's own next token (its argmax over the FULL vocabulary) lies in the draft vocabulary:
     a slot whose target token the drafter cannot even emit cannot be accepted at temperature 0, and
     training it against the renormalised rest would teach a wrong argmax (EAGLE-3 masks it the same way).
     """
     bsz, length, _ = target_logits.shape
-    steps = length - 1
-    # index of the teacher row for (t, k): t + 1 + k, clamped; out-of-range rows are masked below
-    rows = (
-        torch.arange(steps, device=target_logits.device)[:, None]
-        + 1
-        + torch.arange(slots, device=target_logits.device)
-    )
-    in_range = rows <= length - 1  # [S, K]
-    rows = rows.clamp(max=length - 1)
-    teacher = target_logits[:, :, d2t][:, rows]  # [B, S, K, Vd]
-    teacher = teacher.masked_fill(~in_range[None, :, :, None], float("-inf"))
+    steps, device = length - 1, target_logits.device
+    law = TeacherLaw.from_logits(target_logits[:, :, d2t])  # [B, T, Vd]
+    law = TeacherLaw(*(torch.cat([x, x.new_zeros(bsz, slots, *x.shape[2:])], dim=1) for x in law))
+    rows = torch.arange(steps, device=device)[:, None] + 1 + torch.arange(slots, device=device)  # [S, K]
     predicted = rows + 1  # the predicted token's position t + 2 + k
-    exists = in_range & (predicted <= length - 1)
+    exists = predicted <= length - 1
     predicted = predicted.clamp(max=length - 1)
     real = (batch["attention_mask"].bool() & batch["loss_mask"].bool())[:, predicted]  # [B, S, K]
-    reachable = t2d[target_logits.argmax(-1)][:, rows]  # [B, S, K]
-    return teacher, exists[None] & real & reachable
+    reachable = t2d[target_logits.argmax(-1)][:, rows.clamp(max=length - 1)]  # [B, S, K]
+    return law, exists[None] & real & reachable

@@ -169,8 +169,10 @@ def save_checkpoint(
     progress: TrainProgress,
     cfg_hash: str,
     keep_last: int,
+    keep: set[int] = frozenset(),
 ) -> Path:
-    """Write `step_XXXXXX/` atomically, then keep only the newest `keep_last` (0: keep all).
+    """Write `step_XXXXXX/` atomically, then keep only the newest `keep_last` (0: keep all) and the
+    steps in `keep` (the best validation step).
 
     Collective: every rank must call it.
     """
@@ -193,17 +195,18 @@ def save_checkpoint(
         if final.exists():  # an earlier attempt at this step, e.g. before resuming from an older one
             shutil.rmtree(final)
         os.replace(tmp, final)
-        prune_checkpoints(output_dir, keep_last)
+        prune_checkpoints(output_dir, keep_last, keep)
     accelerator.wait_for_everyone()
     return final
 
 
-def prune_checkpoints(output_dir: str | os.PathLike, keep_last: int) -> None:
-    """Delete all but the newest `keep_last` complete checkpoints (0: keep all)."""
+def prune_checkpoints(output_dir: str | os.PathLike, keep_last: int, keep: set[int] = frozenset()) -> None:
+    """Delete all but the newest `keep_last` complete checkpoints (0: keep all) and the steps in `keep`."""
     if keep_last <= 0:
         return
     for old in list_checkpoints(output_dir)[:-keep_last]:
-        shutil.rmtree(old)
+        if int(STEP_RE.match(old.name).group(1)) not in keep:
+            shutil.rmtree(old)
 
 
 def load_checkpoint(accelerator: Accelerator, path: str | os.PathLike) -> dict[str, Any]:

@@ -43,6 +43,20 @@ class DrafterConfig:
 
 
 @dataclass
+class ValidationConfig:
+    """The held-out split of the training rows (seeded; `trainer.eval_every` says how often it is run):
+    round(fraction * rows) rows, at most max_rows. fraction 0 = no validation."""
+
+    fraction: float = 0.0
+    max_rows: int | None = 256
+    seed: int = 0
+
+    def __post_init__(self):
+        if not 0 <= self.fraction < 1 or (self.max_rows is not None and self.max_rows < 1):
+            raise ValueError(f"validation needs 0 <= fraction < 1 and max_rows >= 1, got {self}")
+
+
+@dataclass
 class TrainConfig:
     """`python -m specblock.train`: data stage (skipped when up to date) -> distillation -> export."""
 
@@ -55,6 +69,7 @@ class TrainConfig:
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
     trainer: TrainerConfig = field(
         default_factory=lambda: TrainerConfig(output_dir="checkpoints/debug", max_steps=10)
     )
@@ -62,6 +77,8 @@ class TrainConfig:
     def __post_init__(self):
         if self.resume is not None:
             self.trainer.resume = self.resume
+        if self.trainer.eval_every > 0 and self.validation.fraction == 0:
+            raise ValueError("trainer.eval_every > 0 needs a held-out split: set validation.fraction > 0")
         if self.features not in FEATURE_MODES:
             raise ValueError(f"features={self.features!r} is not one of {FEATURE_MODES}")
         if self.features == "offline" and not self.data.features.enabled:

@@ -79,6 +79,14 @@ def model_card(config: dict[str, Any], card: dict[str, Any]) -> str:
         f"- data: {card.get('data', 'n/a')}",
         f"- steps: {card.get('steps', 'n/a')}",
         f"- run config: {card.get('run', 'n/a')}",
+        *(
+            [
+                f"- exported step: {card['best']['step']}, the best by {card['best']['metric']} = "
+                f"{card['best']['value']:.4f} on the held-out split"
+            ]
+            if "best" in card
+            else []
+        ),
         "",
         "## Measured (last logging window of training; teacher-forced)",
         "",
@@ -92,6 +100,10 @@ def model_card(config: dict[str, Any], card: dict[str, Any]) -> str:
         else "| simulated acceptance length | n/a |"
     )
     lines += [f"| {k.removeprefix('train/')} | {v:.3f} |" for k, v in acc.items()]
+    val = {
+        k: v for k, v in sorted(metrics.items()) if k.startswith("val/") and ("top1_" in k or "accept" in k)
+    }
+    lines += [f"| held-out {k.removeprefix('val/')} (last validation) | {v:.3f} |" for k, v in val.items()]
     lines += [
         "",
         "Load with `specblock.train.export.load_drafter(folder)`; the target is not needed to load it.",

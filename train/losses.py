@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -128,28 +129,85 @@ def slot_weights(K: int, decay: float = 0.8, device: torch.device | None = None)
     return decay ** torch.arange(K, dtype=torch.float32, device=device)
 
 
+class TeacherLaw(NamedTuple):
+    """The teacher's law as the losses read it, for entries [...]: probs [..., V] float32 (the softmax of
+    the teacher's logits over the draft vocabulary), neg_entropy [...] = sum_v p log p, argmax [...] long.
+    The trainer builds it once per target position and hands each block a strided view (`slot_grid`):
+    slot k at position t reads row t+1+k, so the K slots share rows instead of copying them K times."""
+
+    probs: Tensor
+    neg_entropy: Tensor
+    argmax: Tensor
+
+    @staticmethod
+    def from_logits(logits: Tensor) -> TeacherLaw:
+        """[..., V] teacher logits (rows of -inf, e.g. padding, give p = 0) -> the law per entry."""
+        logits = at_least_fp32(logits.detach())
+        probs = F.softmax(logits, dim=-1).nan_to_num(0.0)
+        return TeacherLaw(probs, torch.xlogy(probs, probs).sum(-1), logits.argmax(-1))
+
+    def slot_grid(self, start: int, steps: int, K: int) -> TeacherLaw:
+        """Per-row law [B, R, ...] -> per-slot [B, steps, K, ...] with entry (t, k) = row start+t+k.
+        Views of the same storage (no copy); needs R >= start + steps + K - 1."""
+
+        def grid(x: Tensor) -> Tensor:  # [B,R,*] -> [B,steps,K,*]
+            return x[:, start : start + steps + K - 1].unfold(1, K, 1).movedim(-1, 2)
+
+        return TeacherLaw(grid(self.probs), grid(self.neg_entropy), grid(self.argmax))
+
+
+def at_least_fp32(x: Tensor) -> Tensor:
+    """bf16 / fp16 -> float32; float32 and float64 unchanged (float64 tests stay exact)."""
+    return x.float() if x.element_size() < 4 else x
+
+
+def as_law(teacher: Tensor | TeacherLaw) -> TeacherLaw:
+    """Teacher logits [..., V] or an already built law -> TeacherLaw."""
+    return teacher if isinstance(teacher, TeacherLaw) else TeacherLaw.from_logits(teacher)
+
+
+class _KLToSoftmax(torch.autograd.Function):
+    """KL(p || softmax(z)) = sum p log p - sum p z + logsumexp(z) per row (p sums to 1), 0 where invalid.
+    Backward: dKL/dz = softmax(z) - p. Nothing of size [..., V] is saved but the inputs themselves (z in
+    its own dtype, p usually a view shared between slots): a log-softmax would keep a float32 copy."""
+
+    @staticmethod
+    def forward(ctx, z: Tensor, p: Tensor, neg_entropy: Tensor, valid: Tensor) -> Tensor:
+        z32 = at_least_fp32(z)
+        lse = torch.logsumexp(z32, dim=-1)  # [...]
+        kl = torch.where(valid, neg_entropy - (p * z32).sum(-1) + lse, 0.0)
+        ctx.save_for_backward(z, p, lse, valid)
+        return kl
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        z, p, lse, valid = ctx.saved_tensors
+        g = torch.where(valid, grad, 0.0).unsqueeze(-1)
+        dz = (torch.exp(at_least_fp32(z) - lse.unsqueeze(-1)) - p).mul_(g)
+        return dz.to(z.dtype), None, None, None
+
+
 def forward_kl(
-    draft_logits: Tensor, teacher_logits: Tensor, valid: Tensor, topk: int | None = None
+    draft_logits: Tensor, teacher: Tensor | TeacherLaw, valid: Tensor, topk: int | None = None
 ) -> Tensor:
     """Per-entry forward KL(teacher || draft) over the draft vocabulary, float32.
 
-    draft_logits, teacher_logits [B,S,K,V] (any float dtype), valid [B,S,K] bool -> kl [B,S,K], 0 where
-    invalid (teacher rows there may hold anything, even -inf padding). The teacher is a constant.
+    draft_logits [B,S,K,V] (any float dtype); teacher: logits [B,S,K,V] or a TeacherLaw of that shape;
+    valid [B,S,K] bool -> kl [B,S,K], 0 and no gradient where invalid (teacher rows there may hold
+    anything, even -inf padding). The teacher is a constant.
     topk: sum only over the teacher's top-k tokens with their full-vocabulary probabilities, not
     renormalised (as the authors' `--draft-loss-topk`: a position weighs by the mass of its top-k);
     the minimiser is the same as with renormalised probabilities. This restricted sum can be < 0.
     """
-    log_q = F.log_softmax(draft_logits.float(), dim=-1)  # [B,S,K,V]
+    law = as_law(teacher)
+    if topk is None:
+        return _KLToSoftmax.apply(draft_logits, law.probs, law.neg_entropy, valid)
+    log_q = F.log_softmax(at_least_fp32(draft_logits), dim=-1)  # [B,S,K,V]
     with torch.no_grad():
-        p = F.softmax(teacher_logits.detach().float(), dim=-1)  # [B,S,K,V]
-        idx = None
-        if topk is not None:
-            p, idx = p.topk(topk, dim=-1)  # [B,S,K,topk]
-        p = p.masked_fill(~valid.unsqueeze(-1), 0.0)  # invalid rows: p = 0, so kl = 0 and no gradient
-        neg_entropy = torch.xlogy(p, p).sum(-1)  # [B,S,K]  sum p log p
-    if idx is not None:
-        log_q = log_q.gather(-1, idx)
-    return neg_entropy - (p * log_q).sum(-1)  # KL = sum p (log p - log q)
+        p, idx = law.probs.topk(topk, dim=-1)  # [B,S,K,topk]
+        p = p.masked_fill(~valid.unsqueeze(-1), 0.0)
+        neg_entropy = torch.xlogy(p, p).sum(-1)
+    return neg_entropy - (p * log_q.gather(-1, idx)).sum(-1)
 
 
 def masked_mean_per_slot(x: Tensor, mask: Tensor) -> Tensor:
@@ -176,16 +234,17 @@ def distill_loss(
 
 
 @torch.no_grad()
-def top1_correct(draft_logits: Tensor, teacher_logits: Tensor, valid: Tensor) -> Tensor:
-    """[B,S,K,V] x2, valid [B,S,K] -> [B,S,K] bool: valid and argmax draft == argmax teacher."""
-    return valid & (draft_logits.argmax(-1) == teacher_logits.argmax(-1))
+def top1_correct(draft_logits: Tensor, teacher: Tensor | TeacherLaw, valid: Tensor) -> Tensor:
+    """draft logits [B,S,K,V], teacher logits [B,S,K,V] or law, valid [B,S,K] -> [B,S,K] bool: valid and
+    argmax draft == argmax teacher."""
+    return valid & (draft_logits.argmax(-1) == as_law(teacher).argmax)
 
 
 @torch.no_grad()
-def valid_prefix_mask(draft_logits: Tensor, teacher_logits: Tensor, valid: Tensor) -> Tensor:
+def valid_prefix_mask(draft_logits: Tensor, teacher: Tensor | TeacherLaw, valid: Tensor) -> Tensor:
     """The authors' chain mask: [B,S,K] bool, True where slot k is valid and slots 0..k-1 at that
     position are all top-1 correct (and valid). Slot k itself counts even if it is wrong."""
-    return valid & leading_run(top1_correct(draft_logits, teacher_logits, valid))
+    return valid & leading_run(top1_correct(draft_logits, teacher, valid))
 
 
 def prefix_weight(cfg: CurriculumConfig, step: int, epoch: float) -> float:
@@ -212,9 +271,10 @@ def rank_of_token(draft_logits: Tensor, token: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def rank_of_target(draft_logits: Tensor, teacher_logits: Tensor) -> Tensor:
-    """[B,S,K,V] x2 -> [B,S,K] long: 1-based rank of the teacher's argmax token in the draft logits."""
-    return rank_of_token(draft_logits, teacher_logits.argmax(-1))
+def rank_of_target(draft_logits: Tensor, teacher: Tensor | TeacherLaw) -> Tensor:
+    """draft logits [B,S,K,V], teacher logits [B,S,K,V] or law -> [B,S,K] long: 1-based rank of the
+    teacher's argmax token in the draft logits."""
+    return rank_of_token(draft_logits, as_law(teacher).argmax)
 
 
 def rank_classes(ranks: Tensor, buckets: tuple[int, ...] = RANK_BUCKETS) -> Tensor:
@@ -347,12 +407,12 @@ def ratio_metrics(metrics: dict[str, Tensor]) -> dict[str, Tensor]:
 
 
 def _check_shapes(
-    draft_logits: Tensor, teacher_logits: Tensor, valid: Tensor, rank_logits: Tensor | None, n_classes: int
+    draft_logits: Tensor, teacher: TeacherLaw, valid: Tensor, rank_logits: Tensor | None, n_classes: int
 ) -> None:
-    if draft_logits.dim() != 4 or teacher_logits.shape != draft_logits.shape:
+    if draft_logits.dim() != 4 or teacher.probs.shape != draft_logits.shape:
         raise ValueError(
-            f"draft/teacher logits must both be [B,S,K,V], got {tuple(draft_logits.shape)} "
-            f"and {tuple(teacher_logits.shape)}"
+            f"draft logits and teacher law must both be [B,S,K,V], got {tuple(draft_logits.shape)} "
+            f"and {tuple(teacher.probs.shape)}"
         )
     if valid.shape != draft_logits.shape[:-1] or valid.dtype != torch.bool:
         raise ValueError(
@@ -367,7 +427,7 @@ def _check_shapes(
 
 def specblock_loss(
     draft_logits: Tensor,
-    teacher_logits: Tensor,
+    teacher: Tensor | TeacherLaw,
     valid: Tensor,
     rank_logits: Tensor | None,
     cfg: LossConfig,
@@ -376,25 +436,27 @@ def specblock_loss(
 ) -> LossOutput:
     """The SpecBlock training loss (SPECBLOCK.md 1.5); rank_logits None = EAGLE-3 style (no rank head).
 
-    draft_logits, teacher_logits [B,S,K,V]; valid [B,S,K] bool; rank_logits [B,S,K,C] or None.
+    draft_logits [B,S,K,V]; teacher: logits [B,S,K,V] or TeacherLaw; valid [B,S,K] bool; rank_logits
+    [B,S,K,C] or None.
     loss = sum_k decay^k L_draft,k + rank_weight * 1[step >= rank_start_step] * L_rank, with L_draft,k
     = (1-alpha) * mean KL of slot k over valid entries + alpha * over its valid-prefix entries.
     Before rank_start_step the rank term is multiplied by 0 rather than dropped, so the rank head
     still gets (zero) gradients (DDP needs every parameter).
     """
     n_classes = len(cfg.rank_buckets) + 1
-    _check_shapes(draft_logits, teacher_logits, valid, rank_logits, n_classes)
+    teacher = as_law(teacher)
+    _check_shapes(draft_logits, teacher, valid, rank_logits, n_classes)
     # Valid-prefix mask and curriculum alpha (no gradient).
-    correct = top1_correct(draft_logits, teacher_logits, valid)  # [B,S,K]
+    correct = top1_correct(draft_logits, teacher, valid)  # [B,S,K]
     prefix = valid & leading_run(correct)
     alpha = prefix_weight(cfg.curriculum, step, epoch)
     # Distillation: forward KL per slot, (1-alpha) * full + alpha * valid-prefix, weighted by decay^k.
-    kl = forward_kl(draft_logits, teacher_logits, valid, cfg.draft_topk)
+    kl = forward_kl(draft_logits, teacher, valid, cfg.draft_topk)
     loss, slot_losses = distill_loss(kl, valid, cfg.slot_decay, prefix, alpha)
     metrics = draft_metrics(correct, valid, kl, prefix)
     rank = torch.zeros((), device=loss.device)
     if rank_logits is not None:
-        classes = rank_classes(rank_of_target(draft_logits, teacher_logits), cfg.rank_buckets)
+        classes = rank_classes(rank_of_target(draft_logits, teacher), cfg.rank_buckets)
         rank, rank_metrics = rank_loss(rank_logits, classes, valid, cfg.rank_budget)
         loss = loss + cfg.rank_weight * rank_loss_weight(step, cfg.rank_start_step) * rank
         metrics.update(rank_metrics)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import functools
-from dataclasses import asdict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from filelock import FileLock
 from omegaconf import OmegaConf
+from torch.utils.data import Dataset, Subset
 from transformers import PretrainedConfig
 
 from specblock.data.capture import load_feature_rows
@@ -23,8 +25,10 @@ from .config import TrainConfig
 from .export import export_drafter, rebuild_drafter
 from .modeling import build_drafter, build_vocab_map, count_tokens
 from .strategies import STRATEGIES
+from .strategy import DrafterStrategy
 from .tracking import is_main, log0
 from .trainer import fit
+from .validation import read_best, split_indices
 
 
 def feature_rows(features_dir: Path) -> list[dict[str, torch.Tensor]]:
@@ -43,8 +47,19 @@ def draft_vocab(rows, vocab_size: int, size: int | None) -> torch.Tensor | None:
     return build_vocab_map(counts, size)[0]
 
 
-def build(cfg: TrainConfig):
-    """Data stage, target, dataset, drafter and strategy for `cfg`."""
+@dataclass
+class Built:
+    """What a training run needs: the strategy, the training rows and the held-out ones (or None)."""
+
+    strategy: DrafterStrategy
+    rows: Dataset
+    held_out: Dataset | None
+    collate_fn: Callable
+    target_config: PretrainedConfig
+
+
+def build(cfg: TrainConfig) -> Built:
+    """Data stage, target, dataset split, drafter and strategy for `cfg`."""
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     with FileLock(str(out / ".prepare.lock")):  # every rank runs this; the first one does the work
@@ -52,6 +67,9 @@ def build(cfg: TrainConfig):
     target, tokenizer = load_target(cfg.data.target)
     layers = cfg.data.target.feature_layers or default_feature_layers(target.config.num_hidden_layers)
     rows = feature_rows(data.features_dir) if cfg.features == "offline" else TokenDataset(data.tokens_dir)
+    val = cfg.validation
+    train_idx, val_idx = split_indices(len(rows), val.fraction, val.max_rows, val.seed)
+    rows, held_out = Subset(rows, train_idx), (Subset(rows, val_idx) if val_idx else None)
     d2t = draft_vocab(rows, target.config.vocab_size, cfg.drafter.draft_vocab_size)
     drafter_cfg = cfg.drafter.specific(num_feature_layers=len(layers))
     torch.manual_seed(cfg.trainer.seed)  # the drafter's initial weights depend on the seed alone
@@ -67,7 +85,7 @@ def build(cfg: TrainConfig):
     teacher = target if cfg.features == "online" else None
     strategy = STRATEGIES[cfg.drafter.name](module, teacher, layers, cfg.loss, cfg.strategy, head)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return strategy, rows, functools.partial(collate, pad_id=pad_id), target.config, drafter_cfg, layers
+    return Built(strategy, rows, held_out, functools.partial(collate, pad_id=pad_id), target.config)
 
 
 def train(cfg: TrainConfig, resolved: dict | None = None) -> dict[str, float]:
@@ -79,10 +97,17 @@ def train(cfg: TrainConfig, resolved: dict | None = None) -> dict[str, float]:
             f"{cfg.trainer.output_dir} already holds checkpoints ({earlier[-1].name}); continue "
             "with trainer.resume=latest, or pick another run_name / output_dir"
         )
-    strategy, rows, collate_fn, target_config, _, _ = build(cfg)
+    built = build(cfg)
     if is_main():
         OmegaConf.save(OmegaConf.create(resolved), Path(cfg.output_dir) / "config.yaml")
-    metrics = fit(strategy, rows, collate_fn, cfg.trainer, run_config=resolved)
+    metrics = fit(
+        built.strategy,
+        built.rows,
+        built.collate_fn,
+        cfg.trainer,
+        run_config=resolved,
+        eval_dataset=built.held_out,
+    )
     log0("final metrics (last logging window):\n" + metrics_table(metrics))
     if cfg.export and is_main():
         # the final checkpoint, not strategy.module: under ZeRO-3 the module's parameters stay partitioned
@@ -93,8 +118,12 @@ def train(cfg: TrainConfig, resolved: dict | None = None) -> dict[str, float]:
             "metrics": metrics,
         }
         step = step_dir(cfg.trainer.output_dir, int(metrics["step"]))
-        path = export_checkpoint(cfg, step, Path(cfg.output_dir) / "drafter", target_config, card)
-        log0(f"exported drafter: {path}")
+        best = read_best(cfg.trainer.output_dir)
+        if best is not None:  # the best validation step, as speculators keeps it
+            step = Path(cfg.trainer.output_dir) / best["folder"]
+            card.update(best={k: best[k] for k in ("step", "metric", "value")})
+        path = export_checkpoint(cfg, step, Path(cfg.output_dir) / "drafter", built.target_config, card)
+        log0(f"exported drafter: {path} (from {step.name})")
     return metrics
 
 

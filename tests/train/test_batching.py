@@ -28,11 +28,15 @@ def test_teacher_rows_and_validity_follow_the_eagle3_alignment():
     }
     d2t = torch.tensor([0, 1, 2, 3])  # token 4 is outside the draft vocabulary
     t2d = torch.tensor([True, True, True, True, False])
-    teacher, valid = teacher_and_valid(batch, logits, d2t, t2d, K)
-    assert teacher.shape == (1, T - 1, K, 4)
+    law, valid = teacher_and_valid(batch, logits, d2t, t2d, K)
+    assert law.probs.shape == (1, T + K, 4)  # one row per target position, plus K rows of padding
+    teacher = law.slot_grid(1, T - 1, K)
+    assert teacher.probs.shape == (1, T - 1, K, 4)
+    assert teacher.probs.untyped_storage().data_ptr() == law.probs.untyped_storage().data_ptr()  # a view
     # slot k at position t is taught by the target at t+1+k
-    assert int(teacher[0, 0, 0].argmax()) == 1 and int(teacher[0, 0, 1].argmax()) == 2
-    assert torch.isinf(teacher[0, T - 2, 1]).all()  # t+1+k = T: past the end
+    assert int(teacher.argmax[0, 0, 0]) == 1 and int(teacher.argmax[0, 0, 1]) == 2
+    assert int(teacher.probs[0, 3, 1].argmax()) == 5 % V and teacher.probs[0, 3, 1].sum() > 0.99
+    assert (teacher.probs[0, T - 2, 1] == 0).all()  # t+1+k = T: past the end, zero padding
     # predicted token t+2+k must exist, be an assistant token, and the target token must be drafted
     expected = torch.zeros(T - 1, K, dtype=torch.bool)
     for t in range(T - 1):

@@ -2,7 +2,9 @@
 export -> load back; a run killed mid-way and resumed ends bit-identical to an uninterrupted one;
 offline features and the EAGLE-3 baseline go through the same loop."""
 
+import importlib.resources
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,11 +16,12 @@ from specblock.data.corpora import CorpusConfig
 from specblock.data.regenerate import RegenerateConfig
 from specblock.data.target import TargetConfig
 from specblock.train import run as run_mod
-from specblock.train.config import DrafterConfig, TrainConfig, register_configs
+from specblock.train.config import DrafterConfig, TrainConfig, ValidationConfig, register_configs
 from specblock.train.export import load_drafter
 from specblock.train.losses import CurriculumConfig, LossConfig
 from specblock.train.strategies import StrategyConfig
 from specblock.train.trainer import TrainerConfig
+from specblock.train.validation import read_best, split_indices
 
 STEPS = 6
 
@@ -41,7 +44,7 @@ def make_cfg(tiny_chat, tmp_path):
     ]
     (tmp_path / "corpus.json").write_text(json.dumps(rows))
 
-    def make(name="specblock", out="run", features="online", **trainer):
+    def make(name="specblock", out="run", features="online", validation=None, **trainer):
         data = PrepareConfig(
             out_dir=str(tmp_path / "data"),
             max_length=64,
@@ -66,6 +69,7 @@ def make_cfg(tiny_chat, tmp_path):
             drafter=DrafterConfig(name=name, draft_vocab_size=24, rank_hidden=16, ttt_length=3),
             loss=LossConfig(curriculum=CurriculumConfig(end=3), rank_start_step=2),
             strategy=StrategyConfig(num_ttt_blocks=2),
+            validation=validation or ValidationConfig(),
             trainer=TrainerConfig(**{**t, **trainer}),
         )
 
@@ -82,9 +86,10 @@ def test_train_export_reload_and_exact_resume(make_cfg, monkeypatch):
     assert metrics["step"] == STEPS and metrics["train/loss"] > 0 and "train/accept_len" in metrics
     drafter, config = load_drafter(cfg.output_dir + "/drafter")
     assert config["block_size"] == 4 and config["draft_vocab_size"] == 24
-    strategy, rows, collate_fn, *_ = run_mod.build(cfg)
+    built = run_mod.build(cfg)
+    strategy, rows = built.strategy, built.rows
     strategy.module.load_state_dict(drafter.state_dict())
-    batch = collate_fn([rows[0], rows[1]])
+    batch = built.collate_fn([rows[0], rows[1]])
     with torch.no_grad():
         features, _ = strategy.target_outputs(batch)
         args = (features[:, :-1], batch["input_ids"][:, 1:], batch["attention_mask"][:, 1:])
@@ -130,7 +135,53 @@ def test_baseline_and_offline_features_run_the_same_loop(make_cfg, name, feature
     assert metrics["step"] == 2 and torch.isfinite(torch.tensor(metrics["train/loss"]))
 
 
-@pytest.mark.parametrize("experiment", ["debug", "quick", "gpu_8b"])
+def test_validation_keeps_and_exports_the_best_step(make_cfg):
+    cfg = make_cfg(
+        out="val",
+        validation=ValidationConfig(fraction=0.25, seed=1),
+        max_steps=6,
+        eval_every=2,
+        save_every=0,
+        keep_last=1,
+        best_metric="kl_0",
+        best_mode="min",
+    )
+    metrics = run_mod.train(cfg)
+    assert 0 < metrics["val/top1_0"] <= 1 and "val/accept_len" in metrics and "val/rank_acc_0" in metrics
+    best = read_best(cfg.output_dir)
+    assert best["metric"] == "val/kl_0" and best["step"] in (2, 4, 6)
+    kept = sorted(p.name for p in Path(cfg.output_dir).glob("step_*"))
+    assert kept == sorted({best["folder"], "step_000006"})  # keep_last=1 plus the best step
+    card = (Path(cfg.output_dir) / "drafter" / "README.md").read_text()
+    assert f"exported step: {best['step']}, the best by val/kl_0" in card
+    exported, _ = load_drafter(cfg.output_dir + "/drafter")
+    from specblock.train.checkpoint import read_model_state
+
+    stored = read_model_state(Path(cfg.output_dir) / best["folder"])
+    assert torch.equal(exported.state_dict()["lm_head.weight"], stored["lm_head.weight"])
+
+
+def test_split_indices_is_seeded_and_disjoint():
+    train, val = split_indices(20, 0.25, None, seed=3)
+    assert len(val) == 5 and not set(train) & set(val) and sorted(train + val) == list(range(20))
+    assert split_indices(20, 0.25, None, seed=3) == (train, val) and split_indices(20, 0.25, 2, 3)[1] != val
+    assert split_indices(20, 0.0, None, 0) == (list(range(20)), [])
+    with pytest.raises(ValueError, match="no training rows"):
+        split_indices(2, 0.9, None, 0)
+
+
+EXPERIMENTS = sorted(
+    p.name.removesuffix(".yaml")
+    for p in importlib.resources.files("specblock.configs").joinpath("experiment").iterdir()
+    if p.name.endswith(".yaml")
+)
+
+
+def test_experiments_are_discovered():
+    assert {"debug", "quick", "gpu_8b", "cpu_full"} <= set(EXPERIMENTS)
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
 def test_every_experiment_composes_and_validates(experiment):
     register_configs()
     with initialize_config_module("specblock.configs", version_base=None):

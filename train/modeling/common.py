@@ -96,17 +96,20 @@ class Attention(nn.Module):
     def forward(
         self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor, extra: KV | None = None
     ) -> tuple[Tensor, KV]:
-        """x [B,L,Din]; rope (cos, sin) [B,L,hd]; mask [B|1,1,L,N+L] bool over [extra (N) ; own (L)] keys;
+        """x [B,L,Din]; rope (cos, sin) [B,L,hd]; mask [B|1,1,L,N+L] bool over [extra (N) ; own (L)] keys,
+        or None for the plain causal mask over own keys (then extra must be None, see `grid_mask`);
         extra: keys/values [B,Hkv,N,hd] or None. Returns out [B,L,H] and this call's own (k, v)."""
         B, L, _ = x.shape
         q = self.q_proj(x).view(B, L, -1, self.head_dim).transpose(1, 2)  # [B,Hq,L,hd]
         k = self.k_proj(x).view(B, L, -1, self.head_dim).transpose(1, 2)  # [B,Hkv,L,hd]
         v = self.v_proj(x).view(B, L, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, *rope)
+        if mask is None and extra is not None:
+            raise ValueError("a causal (mask=None) call attends to its own keys only")
         keys, values = (k, v) if extra is None else (torch.cat([extra[0], k], 2), torch.cat([extra[1], v], 2))
         groups = self.num_heads // self.num_kv
         out = F.scaled_dot_product_attention(
-            q, repeat_kv(keys, groups), repeat_kv(values, groups), attn_mask=mask
+            q, repeat_kv(keys, groups), repeat_kv(values, groups), attn_mask=mask, is_causal=mask is None
         )  # [B,Hq,L,hd]
         return self.o_proj(out.transpose(1, 2).reshape(B, L, -1)), (k, v)
 
@@ -174,6 +177,23 @@ def slot_mask(
             prior = prior & key_valid.bool().repeat_interleave(K, dim=1)[:, None, :]  # [B,TK,TK]
         mask = mask | prior
     return mask[:, None]
+
+
+def right_padded(key_valid: Tensor | None) -> bool:
+    """True when every row of key_valid [B,T] is ones then zeros (or there is no mask)."""
+    return key_valid is None or bool((key_valid[:, 1:] <= key_valid[:, :-1]).all())
+
+
+def grid_mask(T: int, K: int, key_valid: Tensor | None, B: int, device: torch.device) -> Tensor | None:
+    """The first block's mask (`slot_mask(..., earlier=True, same_slots=None)`, expanded to [B,1,TK,TK]),
+    or None (= plain causal attention, which kernels run without a mask and skip the masked half of) where
+    that is the same for every real query. Flat index n*K + k is position-major, so "every slot of an
+    earlier position, or a slot <= s of its own" is exactly "flat key index <= flat query index". The
+    mask differs only by hiding padding keys, which under right padding lie after every real query;
+    padding queries then see more keys, but their outputs feed nothing that is trained."""
+    if right_padded(key_valid):
+        return None
+    return slot_mask(T, K, key_valid, earlier=True, same_slots=None, device=device).expand(B, -1, -1, -1)
 
 
 def shift_left(x: Tensor, offset: int, fill: float | int = 0) -> Tensor:

@@ -32,6 +32,7 @@ from .common import (
     draft_lm_head,
     drafter_layer_config,
     frozen_embedding,
+    grid_mask,
     position_ids,
     shift_left,
     slot_mask,
@@ -110,12 +111,15 @@ class Eagle3Drafter(nn.Module):
         hidden [B,T,K,H] (step k's layer output), rank_logits None."""
         B, T, _ = features.shape
         valid = None if attention_mask is None else attention_mask.bool()
-        causal = slot_mask(T, 1, valid, earlier=True, same_slots=None, device=features.device)
-        causal = causal.expand(B, -1, -1, -1)  # [B,1,T,T]
+        causal = grid_mask(T, 1, valid, B, features.device)  # None: plain causal (right padding)
         diagonal = slot_mask(T, 1, None, earlier=False, same_slots=None, device=features.device)
         h, extra, states = self.fc(features), None, []
         for s in range(self.block_size):
-            mask = torch.cat([causal] + [diagonal.expand(B, -1, -1, -1)] * s, dim=-1)  # [B,1,T,(s+1)T]
+            mask = causal  # step 0; later steps: [B,1,T,(s+1)T] over [step-0 keys ; steps 1..s]
+            if s > 0:
+                if causal is None:
+                    causal = slot_mask(T, 1, valid, earlier=True, same_slots=None, device=features.device)
+                mask = torch.cat([causal.expand(B, -1, -1, -1)] + [diagonal.expand(B, -1, -1, -1)] * s, -1)
             pos = position_ids(s + position_offset, B, T, features.device)  # [B,T]
             h, kv = self._step(h, shift_left(input_ids, s), pos, mask, extra)
             extra = cat_kv(extra, [kv])

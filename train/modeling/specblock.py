@@ -41,6 +41,7 @@ from .common import (
     draft_lm_head,
     drafter_layer_config,
     frozen_embedding,
+    grid_mask,
     position_ids,
     shift_left,
     slot_mask,
@@ -225,8 +226,10 @@ class SpecBlockDrafter(nn.Module):
         valid = None if attention_mask is None else attention_mask.bool()
         cond, offset, extra, seen, outputs = self.condition_proj(features), 0, None, [], []
         for b, m in enumerate([*source_slots, None]):  # m: the slot the next block starts from
-            own = self._mask(T, valid, earlier=b == 0, same_slots=None, B=B)
-            mask = torch.cat([*seen, own], dim=-1)  # [B,1,TK,(b+1)TK] over [earlier blocks ; own]
+            if b == 0:  # None: causal over the flat grid (grid_mask)
+                mask = grid_mask(T, self.block_size, valid, B, features.device)
+            else:  # [B,1,TK,(b+1)TK] over [earlier blocks ; own]
+                mask = torch.cat([*seen, self._mask(T, valid, earlier=False, same_slots=None, B=B)], dim=-1)
             pos = position_ids(1 + offset + position_offset, B, T, features.device)  # [B,T] slot-0 ids
             hidden, kv = self._block(cond, shift_left(input_ids, offset), pos, mask, extra)
             outputs.append(self._heads(hidden))
@@ -250,7 +253,8 @@ class SpecBlockDrafter(nn.Module):
     def _block(
         self, cond: Tensor, tokens: Tensor, pos: Tensor, mask: Tensor, extra: list[KV] | None
     ) -> tuple[Tensor, list[KV]]:
-        """cond [B,N,H], tokens [B,N], pos [B,N] RoPE id of slot 0, mask [B,1,NK,E+NK], extra: per-layer
+        """cond [B,N,H], tokens [B,N], pos [B,N] RoPE id of slot 0, mask [B,1,NK,E+NK] (None: causal, no
+        extra), extra: per-layer
         KV of E earlier entries -> hidden [B,N,K,H] (pre-norm), this block's per-layer KV [B,Hkv,NK,hd]."""
         B, N, H = cond.shape
         K = self.block_size

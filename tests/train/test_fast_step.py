@@ -1,0 +1,162 @@
+"""The fast training step computes the same loss and gradients as the plain computation it replaced.
+
+The reference below is the step as first written: the teacher copied K times into [B,S,K,V] by
+indexing, KL through a float32/64 log-softmax, and dense slot masks in every attention call (no causal
+shortcut). The strategy under test builds the teacher once per position (`TeacherLaw.slot_grid` views),
+takes the KL's gradient in closed form (`_KLToSoftmax`) and lets the first block run plain causal
+attention. Everything runs in float64 so "the same" means equal to ~1e-12, with right padding, two
+SpecBlock blocks (multi-block TTT) and the EAGLE-3 unroll.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specblock.train import losses
+from specblock.train.batching import shifted_tokens
+from specblock.train.losses import LossConfig, leading_run
+from specblock.train.modeling import build_drafter, common
+from specblock.train.config import DrafterConfig
+from specblock.train.strategies import STRATEGIES, StrategyConfig
+
+V, H, T, B, K, VD = 48, 32, 12, 3, 3, 20
+
+
+def reference_kl(draft_logits, teacher_logits, valid):
+    """The original forward KL: sum p (log p - log_softmax(z)), p masked to 0 where invalid."""
+    log_q = F.log_softmax(draft_logits, dim=-1)
+    p = F.softmax(teacher_logits, dim=-1).masked_fill(~valid.unsqueeze(-1), 0.0)
+    return torch.xlogy(p, p).sum(-1) - (p * log_q).sum(-1)
+
+
+def reference_teacher(batch, logits, d2t, t2d, slots):
+    """The original K-fold copy: teacher[:, t, k] = logits[:, t+1+k, d2t], -inf past the end."""
+    steps = logits.shape[1] - 1
+    rows = torch.arange(steps)[:, None] + 1 + torch.arange(slots)
+    in_range = rows <= steps
+    rows = rows.clamp(max=steps)
+    teacher = logits[:, :, d2t][:, rows].masked_fill(~in_range[None, :, :, None], float("-inf"))
+    predicted = (rows + 1).clamp(max=steps)
+    exists = in_range & (rows + 1 <= steps)
+    real = (batch["attention_mask"].bool() & batch["loss_mask"].bool())[:, predicted]
+    return teacher, exists[None] & real & t2d[logits.argmax(-1)][:, rows]
+
+
+def reference_block_loss(out, teacher, valid, cfg, step):
+    """specblock_loss as first written, on a materialised teacher (no TeacherLaw)."""
+    correct = valid & (out.logits.argmax(-1) == teacher.argmax(-1))
+    prefix = valid & leading_run(correct)
+    alpha = losses.prefix_weight(cfg.curriculum, step, 0.0)
+    kl = reference_kl(out.logits, teacher, valid)
+    loss, _ = losses.distill_loss(kl, valid, cfg.slot_decay, prefix, alpha)
+    if out.rank_logits is not None:
+        ranks = 1 + (out.logits > out.logits.gather(-1, teacher.argmax(-1, keepdim=True))).sum(-1)
+        classes = losses.rank_classes(ranks, cfg.rank_buckets)
+        loss = loss + cfg.rank_weight * losses.rank_loss(out.rank_logits, classes, valid, cfg.rank_budget)[0]
+    return loss
+
+
+def reference_forward_loss(strategy, batch, step):
+    features, logits = strategy.target_outputs(batch)
+    tokens, attention = shifted_tokens(batch["input_ids"]), batch["attention_mask"][:, 1:]
+    outputs, offsets = strategy.draft(features[:, :-1], tokens, attention, step)
+    teacher, valid = reference_teacher(batch, logits, strategy.d2t, strategy.t2d, K + max(offsets))
+    total = 0.0
+    for out, off in zip(outputs, offsets):
+        total = total + reference_block_loss(
+            out, teacher[:, :, off : off + K], valid[:, :, off : off + K], strategy.loss_cfg, step
+        )
+    return total * strategy.num_loss_items(batch)
+
+
+def make_strategy(name):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    target = (
+        LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=V,
+                hidden_size=H,
+                intermediate_size=2 * H,
+                num_hidden_layers=6,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=128,
+            )
+        )
+        .double()
+        .eval()
+    )
+    d2t = torch.randperm(V)[:VD].sort().values
+    cfg = DrafterConfig(name=name, block_size=K, ttt_length=K, draft_vocab_size=VD, rank_hidden=16)
+    module = build_drafter(
+        name,
+        cfg.specific(3),
+        target.config,
+        target.get_input_embeddings().weight,
+        target.get_output_embeddings().weight,
+        d2t,
+    ).double()
+    # move off the initialisation (shift projections start at [I | 0]) so every parameter matters
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    loss = LossConfig(curriculum=losses.CurriculumConfig(0, 10), rank_budget=2)
+    return STRATEGIES[name](module, target, [2, 3, 4], loss, StrategyConfig(num_ttt_blocks=2, seed=1))
+
+
+def padded_batch():
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    lengths = torch.tensor([T, T - 3, T - 5])
+    attention = (torch.arange(T)[None] < lengths[:, None]).long()
+    loss_mask = attention.clone()
+    loss_mask[:, :3] = 0
+    return {"input_ids": ids * attention, "attention_mask": attention, "loss_mask": loss_mask}
+
+
+@pytest.mark.parametrize("name", ["specblock", "eagle3"])
+def test_fast_step_has_the_same_loss_and_gradients(name, monkeypatch):
+    strategy, batch, step = make_strategy(name), padded_batch(), 5  # step 5: alpha = 0.5, 2 blocks
+    params = [p for p in strategy.module.parameters() if p.requires_grad]
+
+    fast = strategy.forward_loss(batch, step, 0).loss
+    fast_grads = torch.autograd.grad(fast, params)
+    # the reference: dense masks everywhere (grid_mask never answers "causal")
+    monkeypatch.setattr(common, "right_padded", lambda valid: False)
+    ref = reference_forward_loss(strategy, batch, step)
+    ref_grads = torch.autograd.grad(ref, params)
+
+    assert fast.item() > 0
+    torch.testing.assert_close(fast, ref, rtol=1e-12, atol=1e-12)
+    for p, a, b in zip(params, fast_grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+    assert sum(g.abs().sum() for g in fast_grads) > 0
+
+
+def test_kl_gradient_is_softmax_minus_teacher_and_zero_where_invalid():
+    torch.manual_seed(0)
+    z = torch.randn(2, 3, 2, 7, dtype=torch.float64, requires_grad=True)
+    teacher = torch.randn(2, 3, 2, 7, dtype=torch.float64)
+    valid = torch.rand(2, 3, 2) > 0.3
+    weights = torch.randn(2, 3, 2, dtype=torch.float64)
+    fast = losses.forward_kl(z, teacher, valid)
+    torch.testing.assert_close(fast, reference_kl(z, teacher, valid))
+    (grad,) = torch.autograd.grad((fast * weights).sum(), z)
+    expected = (z.softmax(-1) - teacher.softmax(-1)) * (weights * valid).unsqueeze(-1)
+    torch.testing.assert_close(grad, expected.detach())
+    assert torch.autograd.gradcheck(
+        lambda x: losses.forward_kl(x, teacher, valid), (z.detach().requires_grad_(),)
+    )
+
+
+def test_grid_mask_is_causal_only_for_right_padding():
+    right = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    assert common.grid_mask(4, 2, right, 2, torch.device("cpu")) is None
+    holes = torch.tensor([[1, 0, 1, 1]])
+    mask = common.grid_mask(4, 2, holes, 1, torch.device("cpu"))
+    assert mask is not None and not mask[0, 0, 4, 2]  # position 2 may not see padding position 1
+    # the causal claim itself: with every key valid the slot mask IS the flat causal mask
+    full = common.slot_mask(5, 3, None, earlier=True, same_slots=None)[0, 0]
+    assert torch.equal(full, torch.ones(15, 15, dtype=torch.bool).tril())

@@ -1,0 +1,114 @@
+"""Validation during training and the best checkpoint.
+
+Every `eval_every` optimizer steps (and after the last one) the trainer runs the strategy's own
+`forward_loss` on a held-out split, without gradients, and reduces its metric sums over every batch and
+rank before dividing (the same ratios of global sums as training: per-slot top-1, simulated acceptance
+length, Rank Head accuracy, KL). The logged names are `val/<metric>`.
+
+The best step by `best_metric` is saved as a checkpoint whatever `save_every` says, survives `keep_last`
+pruning, and is named in `<output_dir>/best.json`; the run exports it (as speculators keeps its
+best-validation checkpoint). `BestStep` is registered for checkpointing, so a resumed run compares
+against the best it had seen before it was stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+
+from specblock.data.io import write_json_atomic
+
+from .strategy import DrafterStrategy
+
+BEST_FILE = "best.json"
+# What the trainer's reduced window holds besides the strategy's metrics: not validation results.
+_TRAINING_ONLY = ("tokens_per_s", "grad_norm", "lr")
+
+
+@dataclass
+class BestStep:
+    """The best validation result so far (step -1: none yet); saved with every checkpoint."""
+
+    step: int = -1
+    value: float = math.nan
+
+    def state_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step, self.value = int(state["step"]), float(state["value"])
+
+    def improves(self, value: float, mode: str) -> bool:
+        """True if `value` beats the best so far (`mode` "max" or "min"); NaN never does."""
+        if math.isnan(value):
+            return False
+        if self.step < 0:
+            return True
+        return value > self.value if mode == "max" else value < self.value
+
+
+def split_indices(n: int, fraction: float, max_rows: int | None, seed: int) -> tuple[list[int], list[int]]:
+    """A seeded held-out split of range(n): (train, validation) index lists, validation =
+    round(fraction * n) rows (at most max_rows), chosen by one permutation, both sorted."""
+    n_val = min(round(fraction * n), max_rows if max_rows is not None else n)
+    if fraction > 0 and n_val == 0:
+        n_val = 1
+    if n_val >= n:
+        raise ValueError(f"a validation split of {n_val} rows leaves no training rows out of {n}")
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    return sorted(perm[n_val:]), sorted(perm[:n_val])
+
+
+@torch.no_grad()
+def evaluate(
+    accelerator: Accelerator,
+    strategy: DrafterStrategy,
+    dataset: Sequence[Any],
+    collate_fn: Callable,
+    micro_batch_size: int,
+    step: int,
+    window_factory: Callable[[], Any],
+) -> dict[str, float]:
+    """Metrics of `strategy` on `dataset` (every row once, in order; rank r takes micro-batches
+    r, r + world, ...), reduced as ratios of global sums. `window_factory` makes the trainer's
+    MetricWindow. Collective: every rank must call it."""
+    strategy.module.eval()
+    window = window_factory()
+    starts = range(0, len(dataset), micro_batch_size)
+    mine = [s for i, s in enumerate(starts) if i % accelerator.num_processes == accelerator.process_index]
+    for start in mine:
+        rows = [dataset[i] for i in range(start, min(start + micro_batch_size, len(dataset)))]
+        batch = _to_device(collate_fn(rows), accelerator.device)
+        with accelerator.autocast():
+            out = strategy.forward_loss(batch, step, 0)
+        window.add_output(out, float(strategy.num_loss_items(batch)))
+    stats = window.reduce(accelerator)
+    strategy.module.train()
+    return {f"val/{k}": v for k, v in stats.items() if k not in _TRAINING_ONLY}
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, dict):
+        return {k: _to_device(v, device) for k, v in batch.items()}
+    return batch
+
+
+def write_best(output_dir: str | Path, best: BestStep, metric: str, step_folder: Path) -> None:
+    """`<output_dir>/best.json`: which step folder holds the best validation result (atomic)."""
+    record = {"step": best.step, "metric": f"val/{metric}", "value": best.value, "folder": step_folder.name}
+    write_json_atomic(Path(output_dir) / BEST_FILE, record)
+
+
+def read_best(output_dir: str | Path) -> dict[str, Any] | None:
+    """The record `write_best` left, or None when the run had no validation."""
+    path = Path(output_dir) / BEST_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
