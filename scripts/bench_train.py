@@ -34,12 +34,14 @@ from specblock.train.config import DrafterConfig
 from specblock.train.strategies import STRATEGIES, StrategyConfig
 
 
-def timed(fn, repeats: int) -> float:
+def timed(fn, repeats: int) -> tuple[float, float]:
+    """Mean (wall seconds, process CPU seconds) per call after one warm-up call. On a shared machine the
+    CPU time is the steadier measure of work (it does not count time spent waiting for a core)."""
     fn()  # warm-up
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for _ in range(repeats):
         fn()
-    return (time.perf_counter() - start) / repeats
+    return (time.perf_counter() - start) / repeats, (time.process_time() - cpu) / repeats
 
 
 def measure(args) -> dict:
@@ -87,12 +89,14 @@ def measure(args) -> dict:
         with torch.no_grad():
             strategy.target_outputs(batch)
 
-    t_target = timed(target_forward, args.repeats)
-    t_offline = timed(lambda: step(cached), args.repeats)
-    t_online = timed(lambda: step(batch), args.repeats)
+    (t_target, c_target), (t_offline, _) = (
+        timed(target_forward, args.repeats),
+        timed(lambda: step(cached), args.repeats),
+    )
+    t_online, _ = timed(lambda: step(batch), args.repeats)
     teacher = strategy.target_outputs(batch)
     strategy.target_outputs = lambda b: teacher  # the drafter's own work alone: fwd + bwd + AdamW
-    t_drafter = timed(lambda: step(batch), args.repeats)
+    t_drafter, c_drafter = timed(lambda: step(batch), args.repeats)
     tokens = args.batch * args.length
     peak = (
         torch.cuda.max_memory_allocated() / 2**30
@@ -106,6 +110,7 @@ def measure(args) -> dict:
         "online_tok_s": tokens / t_online,
         "offline_tok_s": tokens / t_offline,
         "share": t_drafter / t_target,
+        "cpu_share": c_drafter / c_target,
         "peak_gib": peak,
     }
 
@@ -124,7 +129,10 @@ def main() -> None:
     ap.add_argument("--draft-vocab", type=int, default=8192)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--autocast", action="store_true", help="train the drafter under bf16 autocast")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.drafter:  # one configuration, in a child process
         print(json.dumps(measure(args)))
         return
@@ -134,16 +142,17 @@ def main() -> None:
         f"K = {args.slots}, draft vocab {args.draft_vocab}, torch threads {torch.get_num_threads()}\n"
     )
     print(
-        "| drafter | target fwd s | drafter fwd+bwd+AdamW s | drafter / target fwd | online tok/s | offline tok/s | peak GiB |"
+        "| drafter | target fwd s | drafter fwd+bwd+AdamW s | drafter / target fwd | same, CPU time | online tok/s "
+        "| offline tok/s | peak GiB |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for name in args.drafters:
         child = [sys.executable, __file__, *sys.argv[1:], "--drafter", name]
         r = json.loads(
             subprocess.run(child, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
         )
         print(
-            f"| {name} | {r['target_fwd_s']:.2f} | {r['drafter_s']:.2f} | {r['share']:.2f} | "
+            f"| {name} | {r['target_fwd_s']:.2f} | {r['drafter_s']:.2f} | {r['share']:.2f} | {r['cpu_share']:.2f} | "
             f"{r['online_tok_s']:.0f} | {r['offline_tok_s']:.0f} | {r['peak_gib']:.2f} |",
             flush=True,
         )

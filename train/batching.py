@@ -13,7 +13,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from .losses import TeacherLaw
+from .losses import TeacherLaw, argmax_last
 
 
 def collate(rows: Sequence[Mapping[str, torch.Tensor]], pad_id: int) -> dict[str, torch.Tensor]:
@@ -72,5 +72,5 @@ def teacher_and_valid(
     exists = predicted <= length - 1
     predicted = predicted.clamp(max=length - 1)
     real = (batch["attention_mask"].bool() & batch["loss_mask"].bool())[:, predicted]  # [B, S, K]
-    reachable = t2d[target_logits.argmax(-1)][:, rows.clamp(max=length - 1)]  # [B, S, K]
+    reachable = t2d[argmax_last(target_logits)][:, rows.clamp(max=length - 1)]  # [B, S, K]
     return law, exists[None] & real & reachable

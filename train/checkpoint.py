@@ -44,12 +44,22 @@ SAFETENSORS_WEIGHTS = "model.safetensors"  # what accelerate writes for the firs
 class EpochSampler(Sampler[int]):
     """One seeded permutation of range(n) per epoch, optionally starting at position `start`.
 
+    Length grouping (`lengths` [n] and `group` > 0): the permutation is cut into chunks of `group`
+    micro-batches of `batch` samples; each chunk is sorted by length and its micro-batches are shuffled,
+    so a micro-batch holds rows of similar length (less padding: the SpecBlock step's attention grows
+    with (T*K)^2) while the order stays random at the scale of micro-batches. The order is a function of
+    (seed, epoch) alone, so resuming at `start` replays it exactly.
+
     Not a RandomSampler on purpose: accelerate leaves it alone (no seed synchronisation, no
     replacement by its own sampler); its `set_epoch` is called by the prepared DataLoader.
     """
 
-    def __init__(self, n: int, seed: int):
+    def __init__(self, n: int, seed: int, lengths=None, group: int = 0, batch: int = 1):
+        if lengths is not None and len(lengths) != n:
+            raise ValueError(f"{len(lengths)} lengths for {n} samples")
         self.n, self.seed, self.epoch, self.start = n, seed, 0, 0
+        self.lengths = None if lengths is None or group <= 0 else torch.as_tensor(lengths)
+        self.group, self.batch = group, batch
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -59,7 +69,20 @@ class EpochSampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         rng = torch.Generator().manual_seed(self.seed + self.epoch)
-        yield from torch.randperm(self.n, generator=rng)[self.start :].tolist()
+        order = torch.randperm(self.n, generator=rng)
+        if self.lengths is not None:
+            order = self._grouped(order, rng)
+        yield from order[self.start :].tolist()
+
+    def _grouped(self, order: torch.Tensor, rng: torch.Generator) -> torch.Tensor:
+        chunk, out = self.group * self.batch, []
+        for lo in range(0, self.n, chunk):
+            part = order[lo : lo + chunk]
+            part = part[torch.argsort(self.lengths[part], stable=True, descending=True)]
+            whole = len(part) // self.batch * self.batch  # a ragged tail stays last, in length order
+            batches = part[:whole].view(-1, self.batch)[torch.randperm(whole // self.batch, generator=rng)]
+            out += [batches.flatten(), part[whole:]]
+        return torch.cat(out)
 
 
 @dataclass
@@ -170,9 +193,10 @@ def save_checkpoint(
     cfg_hash: str,
     keep_last: int,
     keep: set[int] = frozenset(),
+    keep_every: int = 0,
 ) -> Path:
-    """Write `step_XXXXXX/` atomically, then keep only the newest `keep_last` (0: keep all) and the
-    steps in `keep` (the best validation step).
+    """Write `step_XXXXXX/` atomically, then keep only the newest `keep_last` (0: keep all), the steps
+    in `keep` (the best validation step) and the multiples of `keep_every` (milestones).
 
     Collective: every rank must call it.
     """
@@ -195,17 +219,21 @@ def save_checkpoint(
         if final.exists():  # an earlier attempt at this step, e.g. before resuming from an older one
             shutil.rmtree(final)
         os.replace(tmp, final)
-        prune_checkpoints(output_dir, keep_last, keep)
+        prune_checkpoints(output_dir, keep_last, keep, keep_every)
     accelerator.wait_for_everyone()
     return final
 
 
-def prune_checkpoints(output_dir: str | os.PathLike, keep_last: int, keep: set[int] = frozenset()) -> None:
-    """Delete all but the newest `keep_last` complete checkpoints (0: keep all) and the steps in `keep`."""
+def prune_checkpoints(
+    output_dir: str | os.PathLike, keep_last: int, keep: set[int] = frozenset(), keep_every: int = 0
+) -> None:
+    """Delete all but the newest `keep_last` complete checkpoints (0: keep all), the steps in `keep` and
+    the multiples of `keep_every` (0: none)."""
     if keep_last <= 0:
         return
     for old in list_checkpoints(output_dir)[:-keep_last]:
-        if int(STEP_RE.match(old.name).group(1)) not in keep:
+        step = int(STEP_RE.match(old.name).group(1))
+        if step not in keep and not (keep_every and step % keep_every == 0):
             shutil.rmtree(old)
 
 

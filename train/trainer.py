@@ -22,7 +22,7 @@ import math
 import os
 import resource
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -68,12 +68,15 @@ class TrainerConfig:
     mixed_precision: str = "auto"  # "auto": bf16 where CUDA supports it, else fp32
     save_every: int = 500  # steps; 0: only at the end
     keep_last: int = 3  # complete checkpoints kept; 0: all
+    keep_every: int = 0  # checkpoints at multiples of this step are kept too (milestones); 0: none
     log_every: int = 10
     logger: str = "none"  # one of tracking.TRACKERS
     project: str = "specblock"
     run_name: str = "run"
     resume: str | None = None  # None, "latest" or a step folder
     num_workers: int = 0
+    # Length grouping (checkpoint.EpochSampler): micro-batches per sorted chunk; 0: plain shuffling.
+    group_by_length: int = 0
     # Validation on the held-out split (train.validation): every eval_every steps and at the end (0: off).
     eval_every: int = 0
     best_metric: str = "accept_len"  # a strategy metric (logged as val/<name>) that picks the best step
@@ -87,8 +90,10 @@ class TrainerConfig:
             raise ValueError(f"max_steps / epochs must be positive: {self.max_steps} / {self.epochs}")
         if min(self.micro_batch_size, self.grad_accum, self.log_every) < 1:
             raise ValueError("micro_batch_size, grad_accum and log_every must be >= 1")
-        if min(self.save_every, self.keep_last, self.num_workers) < 0:
-            raise ValueError("save_every, keep_last and num_workers must be >= 0")
+        if min(self.save_every, self.keep_last, self.keep_every, self.num_workers, self.group_by_length) < 0:
+            raise ValueError(
+                "save_every, keep_last, keep_every, num_workers and group_by_length must be >= 0"
+            )
         if self.eval_every < 0 or self.best_mode not in ("max", "min"):
             raise ValueError(
                 f"eval_every must be >= 0 and best_mode max|min, got {self.eval_every}, {self.best_mode}"
@@ -279,10 +284,11 @@ def _prepare(
     collate_fn: Callable,
     cfg: TrainerConfig,
     run_config: Mapping[str, Any],
+    lengths: Sequence[int] | None = None,
 ) -> _Run:
     accelerator = build_accelerator(cfg)
     set_seed(cfg.seed)
-    sampler = EpochSampler(len(dataset), cfg.seed)
+    sampler = EpochSampler(len(dataset), cfg.seed, lengths, cfg.group_by_length, cfg.micro_batch_size)
     loader = DataLoader(
         dataset,
         batch_size=cfg.micro_batch_size,
@@ -418,6 +424,7 @@ def _loop(run: _Run, strategy: DrafterStrategy, tracker, validation: _Validation
                     run.cfg_hash,
                     cfg.keep_last,
                     keep,
+                    cfg.keep_every,
                 )
                 if best and run.accelerator.is_main_process:
                     write_best(cfg.output_dir, validation.best, cfg.best_metric, folder)
@@ -468,19 +475,23 @@ def fit(
     cfg: TrainerConfig,
     run_config: Mapping[str, Any] | None = None,
     eval_dataset: Dataset | None = None,
+    lengths: Sequence[int] | None = None,
 ) -> dict[str, float]:
     """Train `strategy.module` for `cfg.max_steps` (or `cfg.epochs`) optimizer steps.
 
     `run_config` (default: `asdict(cfg)`) is what the tracker records and the checkpoint hash covers;
     pass the whole resolved run config (secret-looking keys are redacted before logging). With
     `eval_dataset` and `cfg.eval_every` > 0 the run validates on it (train.validation) and keeps its best
-    step. Returns the metrics of the last logging window (and validation) plus `step`. After return `strategy.module` is the unwrapped
+    step. `lengths` (tokens per training row) enables `cfg.group_by_length`. Returns the metrics of the
+    last logging window (and validation) plus `step`. After return `strategy.module` is the unwrapped
     drafter again (under ZeRO-3 its parameters stay partitioned: read the final checkpoint with
     `checkpoint.read_model_state`) and `strategy.teacher` the original teacher.
     """
     run_config = run_config if run_config is not None else asdict(cfg)
     teacher = getattr(strategy, "teacher", None)
-    run = _prepare(strategy, train_dataset, collate_fn, cfg, run_config)
+    if cfg.group_by_length and lengths is None:
+        raise ValueError("trainer.group_by_length needs the rows' lengths")
+    run = _prepare(strategy, train_dataset, collate_fn, cfg, run_config, lengths)
     validation = None
     if eval_dataset is not None and cfg.eval_every > 0:
         validation = _Validation(eval_dataset, collate_fn)

@@ -203,3 +203,32 @@ def test_rows_from_another_tokenizer_are_refused(tmp_path, target, tokenizer):
     assert f"tokenizer_hash: expected '{tokenizer_hash(tokenizer)}' vs found '{'0' * 64}'" in str(err.value)
     out = capture_features(target, make_rows(2), tmp_path / "f", tokenizer=tokenizer, tokens_manifest=tokens)
     assert read_manifest(out).extra["tokens_manifest"] == {"created": tokens.created, "num_samples": 0}
+
+
+def test_a_full_disk_leaves_no_half_written_shard_and_a_rerun_resumes(
+    tmp_path, target, tokenizer, monkeypatch
+):
+    import errno
+
+    from specblock.data import capture
+
+    rows, cfg, out = make_rows(6), CaptureConfig(batch_size=2, shard_rows=2), tmp_path / "feat"
+    real_save, calls = capture.save_file, []
+
+    def filling_disk(tensors, path, metadata=None):
+        calls.append(path)
+        if len(calls) == 2:  # the second shard: part of the bytes land, then the disk is full
+            with open(path, "wb") as f:
+                f.write(b"\0" * 100)
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        real_save(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr(capture, "save_file", filling_disk)
+    with pytest.raises(OSError, match="No space left"):
+        capture_features(target, rows, out, cfg, tokenizer=tokenizer)
+    # only the complete first shard is there: no partial shard, no temporary file, no manifest
+    assert sorted(p.name for p in out.iterdir()) == ["features-00000.safetensors"]
+    monkeypatch.setattr(capture, "save_file", real_save)
+    capture_features(target, rows, out, cfg, tokenizer=tokenizer)
+    fresh = capture_features(target, rows, tmp_path / "fresh", cfg, tokenizer=tokenizer)
+    assert read_manifest(out).shards == read_manifest(fresh).shards

@@ -99,6 +99,26 @@ def test_epoch_sampler_is_seeded_and_starts_midway():
     assert list(s) == second[4:] and len(s) == 6
 
 
+def test_length_grouped_sampler_batches_similar_lengths_and_resumes():
+    lengths = torch.randint(1, 500, (64,), generator=torch.Generator().manual_seed(0)).tolist()
+    s = EpochSampler(64, seed=3, lengths=lengths, group=4, batch=4)
+    order = list(s)
+    assert sorted(order) == list(range(64)) and list(s) == order  # a seeded permutation
+    batches = [[lengths[i] for i in order[b : b + 4]] for b in range(0, 64, 4)]
+    spread = sum(max(b) - min(b) for b in batches)
+    plain = list(EpochSampler(64, seed=3))
+    plain_spread = sum(
+        max(lengths[i] for i in plain[b : b + 4]) - min(lengths[i] for i in plain[b : b + 4])
+        for b in range(0, 64, 4)
+    )
+    assert spread < plain_spread / 2  # far less padding per micro-batch
+    assert [max(b) for b in batches] != sorted((max(b) for b in batches), reverse=True)  # still shuffled
+    s.start = 12
+    assert list(s) == order[12:]  # resume mid-epoch replays the same order
+    s.set_epoch(1)
+    assert list(s) != order
+
+
 # ---- the loop ----------------------------------------------------------------------------------
 
 
@@ -147,6 +167,17 @@ def test_resume_is_bit_exact(tmp_path):
     final, expected = params(resumed.module), params(full.module)
     assert all(torch.equal(final[k], expected[k]) for k in expected)
     assert [p.name for p in ckpt.list_checkpoints(out)] == ["step_000006", "step_000009"]
+
+
+def test_milestone_checkpoints_survive_pruning(tmp_path):
+    cfg = tiny.tiny_config(tmp_path, max_steps=8, save_every=1, keep_last=2, keep_every=3)
+    fit(tiny.TinyStrategy(), tiny.make_dataset(), tiny.collate, cfg)
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == [
+        "step_000003",
+        "step_000006",
+        "step_000007",
+        "step_000008",
+    ]
 
 
 def test_resume_from_explicit_path_and_missing(tmp_path):
