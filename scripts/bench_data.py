@@ -29,7 +29,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=DEFAULT_TARGET_DIR)
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--attn", default=None, help="transformers attention kernel (sdpa, eager); default: its own")
+    ap.add_argument(
+        "--attn", default=None, help="transformers attention kernel (sdpa, eager); default: its own"
+    )
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -37,7 +39,9 @@ def main() -> None:
     args = ap.parse_args()
     ensure_embedded_target(args.target)
     t0 = time.perf_counter()
-    model, tok = load_target(TargetConfig(name_or_path=args.target, dtype=args.dtype, attn_implementation=args.attn))
+    model, tok = load_target(
+        TargetConfig(name_or_path=args.target, dtype=args.dtype, attn_implementation=args.attn)
+    )
     load_s = time.perf_counter() - t0
     cfg = RegenerateConfig(
         max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, max_prompt_tokens=256

@@ -90,19 +90,21 @@ class TrainProgress:
     """Where training stands; identical on every rank, saved with each checkpoint.
 
     step: optimizer updates done. epoch: epoch of the next micro-batch. batch_in_epoch: micro-batches
-    of that epoch each rank already consumed. tokens: tokens seen, summed over ranks.
+    of that epoch each rank already consumed. tokens: tokens seen, summed over ranks. train_ms: wall
+    milliseconds spent in optimizer steps over every session of the run (for curves against compute).
     """
 
     step: int = 0
     epoch: int = 0
     batch_in_epoch: int = 0
     tokens: int = 0
+    train_ms: int = 0
 
     def state_dict(self) -> dict[str, int]:
         return asdict(self)
 
     def load_state_dict(self, state: Mapping[str, int]) -> None:
-        for key, value in state.items():
+        for key, value in state.items():  # older checkpoints lack newer fields: they keep their default
             setattr(self, key, int(value))
 
 

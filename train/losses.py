@@ -295,6 +295,27 @@ def branching_for_class(classes: Tensor, topk_per_class: tuple[int, ...] = DEFAU
     return torch.tensor(topk_per_class, dtype=torch.long, device=classes.device)[classes]
 
 
+@torch.no_grad()
+def rank_confusion(pred: Tensor, classes: Tensor, valid: Tensor, num_classes: int) -> Tensor:
+    """pred, classes [...] long (predicted and true rank classes), valid [...] bool -> counts [C, C]
+    float64 with counts[true, predicted] over the valid entries."""
+    idx = (classes[valid] * num_classes + pred[valid]).long()
+    return torch.bincount(idx, minlength=num_classes**2).double().view(num_classes, num_classes)
+
+
+@torch.no_grad()
+def branch_coverage(
+    ranks: Tensor, pred: Tensor, valid: Tensor, topk_per_class: tuple[int, ...]
+) -> tuple[float, float]:
+    """How a tree that keeps topk_per_class[c] candidates at a slot predicted in class c would do:
+    ranks [...] long (1-based rank of the target token in the draft law), pred [...] long, valid [...] bool
+    -> (share of valid slots whose target token is among the kept candidates, mean candidates kept)."""
+    width = branching_for_class(pred, tuple(topk_per_class))[valid]
+    covered = (ranks[valid] <= width).double()
+    n = max(int(valid.sum()), 1)
+    return float(covered.sum()) / n, float(width.double().sum()) / n
+
+
 # ---------------------------------------------------------------- rank loss
 
 

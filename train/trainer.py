@@ -353,7 +353,7 @@ def _draw(run: _Run) -> list[tuple[Any, int]]:
 
 def _train_step(run: _Run, strategy: DrafterStrategy, window: MetricWindow) -> None:
     """One optimizer update over `grad_accum` micro-batches."""
-    acc, progress = run.accelerator, run.progress
+    acc, progress, start = run.accelerator, run.progress, time.perf_counter()
     micro = _draw(run)
     counts = [[float(strategy.num_loss_items(b)), float(strategy.num_tokens(b))] for b, _ in micro]
     local = torch.tensor(counts, dtype=torch.float64, device=acc.device)  # [grad_accum, 2]
@@ -375,6 +375,7 @@ def _train_step(run: _Run, strategy: DrafterStrategy, window: MetricWindow) -> N
     window.add_step(n_tokens, float(grad_norm) if grad_norm is not None else math.nan, lr)
     progress.step += 1
     progress.tokens += int(n_tokens)
+    progress.train_ms += round(1000 * (time.perf_counter() - start))
 
 
 def _log_metrics(run: _Run, window: MetricWindow) -> dict[str, float]:
@@ -459,7 +460,11 @@ class _Validation:
         improved = self.best.improves(value, cfg.best_mode)
         if improved:
             self.best.step, self.best.value = step, value
-        shown = {k: v for k, v in self.last.items() if "top1" in k or "accept_len" in k or "rank_acc" in k}
+        shown = {  # the first block's headline metrics; every metric goes to the tracker
+            k: v
+            for k, v in self.last.items()
+            if "/" not in k[4:] and ("top1" in k or "accept_len" in k or "rank_acc" in k)
+        }
         log0(
             f"step {step} validation: "
             + ", ".join(f"{k[4:]} {v:.4f}" for k, v in sorted(shown.items()))

@@ -371,3 +371,17 @@ def test_specblock_loss_checks_shapes_and_config():
     with pytest.raises(ValueError):
         LossConfig(draft_topk=0)
     assert LossConfig(rank_buckets=[1, 3]).rank_buckets == (1, 3)
+
+
+def test_rank_confusion_and_branch_coverage():
+    from specblock.train.losses import branch_coverage, rank_confusion
+
+    classes = torch.tensor([0, 0, 1, 3, 2, 3])
+    pred = torch.tensor([0, 1, 1, 0, 2, 3])
+    valid = torch.tensor([True, True, True, True, True, False])
+    m = rank_confusion(pred, classes, valid, 4)
+    assert m.sum() == 5 and m[0, 0] == 1 and m[0, 1] == 1 and m[1, 1] == 1 and m[3, 0] == 1 and m[3, 3] == 0
+    ranks = torch.tensor([1, 1, 3, 20, 7, 50])
+    share, width = branch_coverage(ranks, pred, valid, (2, 4, 10, 0))
+    # widths 2, 4, 4, 2, 10: ranks 1, 1, 3, 7 are covered, 20 is not
+    assert share == pytest.approx(4 / 5) and width == pytest.approx(22 / 5)

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The cpu_full recipe end to end (issue 11), resumable: rerun this script after a kill or at the start of
+# a new session and every stage continues where it stopped (regeneration row by row, feature capture
+# shard by shard, training from its last checkpoint, the curve checkpoint by checkpoint).
+#   nohup scripts/cpu_full.sh > checkpoints/logs/cpu_full.log 2>&1 &
+# Steps per drafter: about 90 minutes each on 2 cores (measured step times in the README); override with
+# SPECBLOCK_STEPS=... EAGLE3_STEPS=... scripts/cpu_full.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+py=.venv/bin/python
+export WANDB_MODE="${WANDB_MODE:-offline}"
+steps_specblock="${SPECBLOCK_STEPS:-400}"
+steps_eagle3="${EAGLE3_STEPS:-1200}"
+
+for drafter in specblock eagle3; do
+  steps_var="steps_${drafter}"
+  if [ -f "checkpoints/cpu_full-${drafter}/drafter/config.json" ]; then
+    echo "cpu_full-${drafter}: exported already, skipped"
+    continue
+  fi
+  echo "== $(date -u +%H:%M) training cpu_full-${drafter} (${!steps_var} steps)"
+  "$py" -m specblock.train experiment=cpu_full drafter="$drafter" resume=latest trainer.max_steps="${!steps_var}"
+done
+
+echo "== $(date -u +%H:%M) scaling curve"
+"$py" scripts/scaling_curve.py checkpoints/cpu_full-specblock checkpoints/cpu_full-eagle3 --out docs/scaling_curve
+
+echo "== $(date -u +%H:%M) evaluation of the best checkpoints"
+"$py" -m specblock.evaluate run_name=cpu_full target.dtype=float32 limit=4 max_new_tokens=64 \
+  'drafters={specblock: checkpoints/cpu_full-specblock/drafter, eagle3: checkpoints/cpu_full-eagle3/drafter}' \
+  'methods=[autoregressive,chain-token,tree]'
+echo "== $(date -u +%H:%M) done"

@@ -1,0 +1,131 @@
+"""Acceptance against training compute: every kept checkpoint of one or more training runs, exported
+and decoded with the real loop at temperature 0 (tokens per target call, GSM8K and overall), as a
+Markdown table and a plot against training tokens and training wall-clock.
+
+    python scripts/scaling_curve.py checkpoints/cpu_full-specblock checkpoints/cpu_full-eagle3
+    python scripts/scaling_curve.py RUN [RUN ...] --limit 4 --max-new-tokens 64 --out docs/scaling_curve
+
+Checkpoints are the step folders a run kept (`trainer.keep_every` milestones, the best and the last
+ones); each is exported once to `<run>/curve/<step>/drafter` and evaluated once (`<run>/curve/<step>/eval`,
+reread when it exists), so a killed curve continues where it stopped. The method is each drafter's
+tree (SpecBlock: Rank-Head-sized dynamic tree; EAGLE-3: EAGLE-2's dynamic tree) and its chain, in float32
+(exact greedy equality), on the same prompts for every checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from specblock.evaluate.config import EvalConfig
+from specblock.evaluate.report import read_jsonl
+from specblock.evaluate.run import evaluate
+from specblock.train.checkpoint import list_checkpoints, read_meta
+from specblock.train.run import export_from_checkpoint
+
+DATASETS = ["gsm8k", "humaneval", "mgsm", "lm1b", "alpaca"]
+
+
+def run_config(run: Path):
+    """The run's drafter name and its target (as the eval app's TargetConfig, in float32)."""
+    from omegaconf import OmegaConf
+
+    from specblock.data.target import TargetConfig
+
+    cfg = OmegaConf.load(run / "config.yaml")
+    target = TargetConfig(**{**OmegaConf.to_container(cfg.data.target), "dtype": "float32"})
+    return str(cfg.drafter.name), target
+
+
+def point(run: Path, step: Path, args) -> dict:
+    """Export + evaluate one checkpoint (cached); returns its curve point."""
+    out = run / "curve" / step.name
+    drafter = out / "drafter"
+    if not (drafter / "config.json").is_file():
+        export_from_checkpoint(run, step.name, str(drafter))
+    results = out / "eval" / "results.jsonl"
+    name, target = run_config(run)
+    if not results.is_file():
+        cfg = EvalConfig(
+            run_name=f"curve-{run.name}-{step.name}",
+            output_dir=str(out / "eval"),
+            drafters={name: str(drafter)},
+            methods=["tree", "chain-token"],
+            datasets=args.datasets,
+            local_root=args.local_root,
+            limit=args.limit,
+            max_new_tokens=args.max_new_tokens,
+            target=target,
+        )
+        evaluate(cfg)
+    rows = read_jsonl(results)
+    meta = read_meta(step)
+    cells = {(r["dataset"], r["method"]): r["metrics"]["block_efficiency"] for r in rows}
+    return {
+        "run": run.name,
+        "drafter": name,
+        "step": meta["step"],
+        "tokens": meta["tokens"],
+        "minutes": meta.get("train_ms", 0) / 60_000,
+        "tree_gsm8k": cells.get(("gsm8k", f"{name}:tree")),
+        "tree_overall": cells.get(("overall", f"{name}:tree")),
+        "chain_overall": cells.get(("overall", f"{name}:chain-token")),
+    }
+
+
+def table(points: list[dict]) -> str:
+    head = "| run | step | training tokens | training minutes | tree GSM8K | tree overall | chain overall |"
+    lines = [head, "|---|---|---|---|---|---|---|"]
+    for p in points:
+        cells = [
+            f"{p[k]:.2f}" if p[k] is not None else "–"
+            for k in ("tree_gsm8k", "tree_overall", "chain_overall")
+        ]
+        lines.append(
+            f"| {p['run']} | {p['step']} | {p['tokens']:,} | {p['minutes']:.0f} | " + " | ".join(cells) + " |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(points: list[dict], path: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(10, 4))
+    FigureCanvasAgg(fig)
+    for ax, x, label in zip(
+        fig.subplots(1, 2), ("tokens", "minutes"), ("training tokens", "training minutes")
+    ):
+        for run in dict.fromkeys(p["run"] for p in points):
+            mine = sorted((p for p in points if p["run"] == run), key=lambda p: p[x])
+            for key, style in (("tree_overall", "-o"), ("tree_gsm8k", "--s")):
+                ax.plot([p[x] for p in mine], [p[key] for p in mine], style, label=f"{run} {key[5:]}")
+        ax.set_xlabel(label)
+        ax.set_ylabel("tokens per target call (T = 0, tree)")
+        ax.grid(alpha=0.3)
+    fig.axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("runs", nargs="+", type=Path)
+    ap.add_argument("--limit", type=int, default=3, help="prompts per dataset")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--datasets", nargs="+", default=DATASETS)
+    ap.add_argument("--local-root", default="auto")
+    ap.add_argument("--out", type=Path, default=Path("docs/scaling_curve"), help="writes OUT.md and OUT.png")
+    args = ap.parse_args()
+    points = [point(run, step, args) for run in args.runs for step in list_checkpoints(run)]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    text = table(points)
+    args.out.with_suffix(".md").write_text(text)
+    args.out.with_suffix(".json").write_text(json.dumps(points, indent=2) + "\n")
+    plot(points, args.out.with_suffix(".png"))
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
