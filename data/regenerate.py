@@ -16,7 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import Tensor
 from tqdm.auto import tqdm
+from transformers import DynamicCache
 
 Turn = dict[str, str]
 Conversation = tuple[str, list[Turn]]  # (row id, turns)
@@ -92,7 +94,7 @@ def read_done(path: Path) -> dict[str, list[Turn]]:
 def generate_batch(
     model, tokenizer, prompts: list[list[Turn]], cfg: RegenerateConfig, seed: int
 ) -> list[str]:
-    """One batched generate call: chat-template prompts, left padding, greedy or sampled answers."""
+    """One batch of chat-template prompts (left padding) -> greedy or sampled answers (EOS excluded)."""
     texts = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in prompts]
     tokenizer.padding_side, tokenizer.truncation_side = "left", "left"
     if tokenizer.pad_token_id is None:
@@ -105,19 +107,68 @@ def generate_batch(
         max_length=cfg.max_prompt_tokens,
         add_special_tokens=False,
     ).to(model.device)
-    torch.manual_seed(seed)
-    sample = cfg.temperature > 0
-    out = model.generate(
-        **enc,
-        max_new_tokens=cfg.max_new_tokens,
-        do_sample=sample,
-        temperature=cfg.temperature if sample else None,
-        top_p=cfg.top_p if sample else None,
-        top_k=None,
-        pad_token_id=tokenizer.pad_token_id,
+    rows = decode_shrinking(
+        model, enc["input_ids"], enc["attention_mask"], cfg, stop_ids(tokenizer, model), seed
     )
-    new = out[:, enc["input_ids"].shape[1] :]
-    return [tokenizer.decode(row, skip_special_tokens=True).strip() for row in new]
+    return [tokenizer.decode(row, skip_special_tokens=True).strip() for row in rows]
+
+
+def stop_ids(tokenizer, model) -> torch.Tensor:
+    """Token ids that end an answer: the tokenizer's EOS and the generation config's (chat end-of-turn)."""
+    ids = {tokenizer.eos_token_id}
+    extra = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids |= set(extra) if isinstance(extra, (list, tuple)) else {extra}
+    return torch.tensor(sorted(i for i in ids if i is not None))
+
+
+def next_tokens(logits: Tensor, cfg: RegenerateConfig, generator: torch.Generator) -> Tensor:
+    """[B, V] logits -> [B] tokens: argmax at temperature 0, else a sample of the tempered, top-p law."""
+    if cfg.temperature == 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / cfg.temperature, dim=-1)
+    if cfg.top_p < 1:
+        sorted_p, order = probs.sort(-1, descending=True)
+        outside = sorted_p.cumsum(-1) - sorted_p >= cfg.top_p  # mass before the token already reaches top_p
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p.masked_fill(outside, 0.0))
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+def decode_shrinking(
+    model, input_ids: Tensor, attention_mask: Tensor, cfg: RegenerateConfig, stop: Tensor, seed: int
+) -> list[list[int]]:
+    """Batched decoding with a KV cache from left-padded input_ids / attention_mask [B, T]; a row leaves
+    the batch (and the cache) when it emits a stop id, so finished answers cost nothing while the longest
+    one runs on (`generate` keeps computing finished rows to the end). Returns each row's new tokens,
+    the stop id included."""
+    generator = torch.Generator(device=input_ids.device).manual_seed(seed)
+    cache = DynamicCache(config=model.config)
+    mask = attention_mask
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(
+        input_ids=input_ids,
+        attention_mask=mask,
+        position_ids=positions,
+        past_key_values=cache,
+        logits_to_keep=1,
+    ).logits[:, -1]
+    alive, answers = torch.arange(len(input_ids)), [[] for _ in range(len(input_ids))]
+    for step in range(cfg.max_new_tokens):
+        token = next_tokens(logits, cfg, generator)
+        for row, t in zip(alive.tolist(), token.tolist()):
+            answers[row].append(t)
+        keep = ~torch.isin(token, stop.to(token.device))
+        if step == cfg.max_new_tokens - 1 or not keep.any():
+            break
+        if not keep.all():
+            index = keep.nonzero()[:, 0]
+            cache.batch_select_indices(index)
+            alive, token, mask = alive[index.cpu()], token[index], mask[index]
+        mask = torch.cat([mask, mask.new_ones(len(mask), 1)], dim=1)
+        positions = mask.sum(-1, keepdim=True) - 1
+        logits = model(
+            input_ids=token[:, None], attention_mask=mask, position_ids=positions, past_key_values=cache
+        ).logits[:, -1]
+    return answers
 
 
 def regenerate(

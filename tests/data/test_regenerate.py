@@ -65,3 +65,50 @@ def test_config_is_validated():
         RegenerateConfig(turns=0)
     with pytest.raises(ValueError):
         RegenerateConfig(top_p=0.0)
+
+
+def test_shrinking_decoder_matches_generate_and_drops_finished_rows(tiny_chat):
+    import torch
+
+    model, tok = tiny_chat
+    tok.padding_side = "left"
+    texts = ["the cat sat on the mat", "why", "what is the dog and the red cat"]
+    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    hf = model.generate(
+        **enc, max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=None
+    )
+    hf = hf[:, enc["input_ids"].shape[1] :].tolist()
+    stop = hf[0][2]  # row 0 stops at its third token; the others run on unless they emit it too
+    rows = regen.decode_shrinking(
+        model, enc["input_ids"], enc["attention_mask"], RegenerateConfig(max_new_tokens=8), torch.tensor([stop]), seed=0
+    )
+    for ours, theirs in zip(rows, hf):
+        cut = theirs.index(stop) + 1 if stop in theirs else len(theirs)
+        assert ours == theirs[:cut]
+    assert len(rows[0]) == 3 and max(len(r) for r in rows) == 8
+    sampled = regen.decode_shrinking(
+        model,
+        enc["input_ids"],
+        enc["attention_mask"],
+        RegenerateConfig(max_new_tokens=8, temperature=0.9, top_p=0.8),
+        torch.tensor([stop]),
+        seed=5,
+    )
+    again = regen.decode_shrinking(
+        model,
+        enc["input_ids"],
+        enc["attention_mask"],
+        RegenerateConfig(max_new_tokens=8, temperature=0.9, top_p=0.8),
+        torch.tensor([stop]),
+        seed=5,
+    )
+    assert sampled == again and sampled != rows  # seeded
+
+
+def test_top_p_keeps_the_smallest_head_reaching_p():
+    import torch
+
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    c = cfg(temperature=1.0, top_p=0.8)
+    seen = {int(regen.next_tokens(logits, c, torch.Generator().manual_seed(s))) for s in range(200)}
+    assert seen == {0, 1}
