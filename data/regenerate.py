@@ -10,6 +10,7 @@ an uninterrupted one would have; greedy regeneration does in any case.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 from dataclasses import dataclass
@@ -142,6 +143,8 @@ def decode_shrinking(
     the stop id included."""
     generator = torch.Generator(device=input_ids.device).manual_seed(seed)
     cache = DynamicCache(config=model.config)
+    # transformers 5 renames the forward's `past_key_values` to `cache` (the old name is deprecated)
+    kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     mask = attention_mask
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     logits = model(
@@ -166,7 +169,7 @@ def decode_shrinking(
         mask = torch.cat([mask, mask.new_ones(len(mask), 1)], dim=1)
         positions = mask.sum(-1, keepdim=True) - 1
         logits = model(
-            input_ids=token[:, None], attention_mask=mask, position_ids=positions, past_key_values=cache
+            input_ids=token[:, None], attention_mask=mask, position_ids=positions, **{kw: cache}
         ).logits[:, -1]
     return answers
 

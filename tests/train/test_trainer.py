@@ -4,6 +4,7 @@ bit-exact resume, atomic checkpoints, trackers."""
 import importlib.util
 import logging
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -297,7 +298,13 @@ def test_wandb_offline_run_has_logged_keys(tmp_path, monkeypatch):
     )
     runs = list((tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1
-    blob = runs[0].read_bytes()  # protobuf records: keys and the config are stored as plain strings
+    # protobuf records: keys and the config are stored as plain strings. wandb's service process may
+    # still be writing them after finish() returns on a loaded machine: wait for the summary record.
+    deadline = time.monotonic() + 30
+    while b"tiny-run" not in (blob := runs[0].read_bytes()) or b"train/acc" not in blob:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     for key in [
         "train/loss",
         "train/lr",
