@@ -93,7 +93,7 @@ def rank_features(logits: Tensor, topk: int) -> Tensor:
     """[..., Vd] draft logits -> [..., topk+5] float32 confidence features (no gradient): top-k
     log-probs and the entropy / top-1 prob of a softmax over the top-20 logits, logit gaps
     top1-top2, top1-top3, top1-top5."""
-    top = logits.detach().float().topk(RANK_SOFTMAX_TOPK, dim=-1).values  # [...,20] descending
+    top = logits.detach().topk(RANK_SOFTMAX_TOPK, dim=-1).values.float()  # [...,20] descending, exact
     logp = top.log_softmax(-1)
     gaps = top[..., :1] - top[..., [1, 2, 4]]  # [...,3]
     entropy = -(logp.exp() * logp).sum(-1, keepdim=True)
