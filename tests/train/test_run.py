@@ -195,3 +195,34 @@ def test_every_experiment_composes_and_validates(experiment):
             ).trainer.resume
             == "latest"
         )
+
+
+def test_a_resumed_run_remembers_its_best_validation_step(make_cfg, monkeypatch):
+    # prefix_alpha rises with the step (curriculum end 3): with best_mode=min the first validation (step 2)
+    # stays the best, unless a resumed run forgot it and took its first validation after the kill
+    make = lambda **kw: make_cfg(  # noqa: E731
+        out="val-kill",
+        validation=ValidationConfig(fraction=0.25),
+        max_steps=6,
+        eval_every=2,
+        save_every=2,
+        best_metric="prefix_alpha",
+        best_mode="min",
+        **kw,
+    )
+    from specblock.train import trainer as trainer_mod
+
+    real_step = trainer_mod._train_step
+
+    def dying(run, *a, **k):
+        if run.progress.step == 3:
+            raise KeyboardInterrupt
+        return real_step(run, *a, **k)
+
+    monkeypatch.setattr(trainer_mod, "_train_step", dying)
+    with pytest.raises(KeyboardInterrupt):
+        run_mod.train(make())
+    monkeypatch.setattr(trainer_mod, "_train_step", real_step)
+    cfg = make(resume="latest")
+    run_mod.train(cfg)
+    assert read_best(cfg.output_dir)["step"] == 2
