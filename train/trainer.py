@@ -29,11 +29,11 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-
-from specblock.data.hardware import cpu_has_bf16_matmul
 from accelerate.utils import DistributedType, GradientAccumulationPlugin, InitProcessGroupKwargs, set_seed
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
+
+from specblock.data.hardware import cpu_has_bf16_matmul
 
 from .checkpoint import (
     EpochSampler,
@@ -47,7 +47,7 @@ from .checkpoint import (
 from .optim import OptimConfig, build_optimizer, build_scheduler
 from .strategy import COUNT_SUFFIX, SCALAR_PREFIX, SUM_SUFFIX, DrafterStrategy, StepOutput
 from .tracking import TRACKERS, NullTracker, accelerate_log_with, log0, make_tracker
-from .validation import BestStep, evaluate, write_best
+from .validation import Validator, write_best
 
 MIXED_PRECISION = ("no", "bf16", "fp16", "auto")
 LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -65,7 +65,9 @@ class TrainerConfig:
     micro_batch_size: int = 8  # per rank
     grad_accum: int = 1
     seed: int = 0
-    mixed_precision: str = "auto"  # "auto": bf16 where CUDA supports it, else fp32
+    mixed_precision: str = (
+        "auto"  # "auto": bf16 where the device has bf16 matrix units (resolve_mixed_precision)
+    )
     save_every: int = 500  # steps; 0: only at the end
     keep_last: int = 3  # complete checkpoints kept; 0: all
     keep_every: int = 0  # checkpoints at multiples of this step are kept too (milestones); 0: none
@@ -389,7 +391,7 @@ def _log_metrics(run: _Run, window: MetricWindow) -> dict[str, float]:
     return {f"train/{k}": v for k, v in stats.items()}
 
 
-def _loop(run: _Run, strategy: DrafterStrategy, tracker, validation: _Validation | None) -> dict[str, float]:
+def _loop(run: _Run, strategy: DrafterStrategy, tracker, validation: Validator | None) -> dict[str, float]:
     """Steps until `total_steps`, logging every `log_every`, validating every `eval_every` and saving
     every `save_every`, at a new best validation result and at the end."""
     cfg, metrics = run.cfg, {}
@@ -413,7 +415,7 @@ def _loop(run: _Run, strategy: DrafterStrategy, tracker, validation: _Validation
                 window = MetricWindow(run.accelerator.device)
             best = False
             if validation is not None and (step % cfg.eval_every == 0 or last):
-                best = validation.run(run, strategy, tracker, step)
+                best = validation.run(run.accelerator, strategy, tracker, step)
                 metrics.update(validation.last)
             if (cfg.save_every and step % cfg.save_every == 0) or last or best:
                 keep = {validation.best.step} if validation is not None else set()
@@ -430,47 +432,6 @@ def _loop(run: _Run, strategy: DrafterStrategy, tracker, validation: _Validation
                 if best and run.accelerator.is_main_process:
                     write_best(cfg.output_dir, validation.best, cfg.best_metric, folder)
     return metrics
-
-
-@dataclass
-class _Validation:
-    """The held-out split and the best result so far (registered for checkpointing)."""
-
-    dataset: Any
-    collate_fn: Callable
-    best: BestStep = field(default_factory=BestStep)
-    last: dict[str, float] = field(default_factory=dict)
-
-    def run(self, run: _Run, strategy: DrafterStrategy, tracker, step: int) -> bool:
-        """Evaluate, log (tracker + console) and say whether this step is the new best."""
-        cfg = run.cfg
-        self.last = evaluate(
-            run.accelerator,
-            strategy,
-            self.dataset,
-            self.collate_fn,
-            cfg.micro_batch_size,
-            step,
-            lambda: MetricWindow(run.accelerator.device),
-        )
-        tracker.log(self.last, step=step)
-        value = self.last.get(f"val/{cfg.best_metric}", math.nan)
-        if f"val/{cfg.best_metric}" not in self.last:
-            raise KeyError(f"best_metric={cfg.best_metric!r} is not a validation metric: {sorted(self.last)}")
-        improved = self.best.improves(value, cfg.best_mode)
-        if improved:
-            self.best.step, self.best.value = step, value
-        shown = {  # the first block's headline metrics; every metric goes to the tracker
-            k: v
-            for k, v in self.last.items()
-            if "/" not in k[4:] and ("top1" in k or "accept_len" in k or "rank_acc" in k)
-        }
-        log0(
-            f"step {step} validation: "
-            + ", ".join(f"{k[4:]} {v:.4f}" for k, v in sorted(shown.items()))
-            + (" (best)" if improved else f" (best {self.best.value:.4f} at step {self.best.step})")
-        )
-        return improved
 
 
 def fit(
@@ -499,7 +460,14 @@ def fit(
     run = _prepare(strategy, train_dataset, collate_fn, cfg, run_config, lengths)
     validation = None
     if eval_dataset is not None and cfg.eval_every > 0:
-        validation = _Validation(eval_dataset, collate_fn)
+        validation = Validator(
+            eval_dataset,
+            lambda rows: _cast_floats(collate_fn(rows), run.input_dtype),
+            cfg.micro_batch_size,
+            cfg.best_metric,
+            cfg.best_mode,
+            lambda: MetricWindow(run.accelerator.device),
+        )
         run.accelerator.register_for_checkpointing(validation.best)
     log0(
         f"training on {run.accelerator.num_processes} process(es), {run.accelerator.distributed_type.value}, "

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +26,12 @@ from accelerate import Accelerator
 from specblock.data.io import write_json_atomic
 
 from .strategy import DrafterStrategy
+from .tracking import log0
 
 BEST_FILE = "best.json"
 # What the trainer's reduced window holds besides the strategy's metrics: not validation results.
 _TRAINING_ONLY = ("tokens_per_s", "grad_norm", "lr")
+HEADLINE = ("top1", "accept_len", "rank_acc")  # metric names the console line shows
 
 
 @dataclass
@@ -92,6 +94,50 @@ def evaluate(
     stats = window.reduce(accelerator)
     strategy.module.train()
     return {f"val/{k}": v for k, v in stats.items() if k not in _TRAINING_ONLY}
+
+
+@dataclass
+class Validator:
+    """The held-out split, how to batch it, and the best result so far (`best` is checkpointed)."""
+
+    dataset: Sequence[Any]
+    collate_fn: Callable
+    micro_batch_size: int
+    best_metric: str
+    best_mode: str
+    window_factory: Callable[[], Any]
+    best: BestStep = field(default_factory=BestStep)
+    last: dict[str, float] = field(default_factory=dict)
+
+    def run(self, accelerator: Accelerator, strategy: DrafterStrategy, tracker, step: int) -> bool:
+        """Evaluate, log (tracker + console) and say whether this step is the new best. Collective."""
+        self.last = evaluate(
+            accelerator,
+            strategy,
+            self.dataset,
+            self.collate_fn,
+            self.micro_batch_size,
+            step,
+            self.window_factory,
+        )
+        tracker.log(self.last, step=step)
+        key = f"val/{self.best_metric}"
+        if key not in self.last:
+            raise KeyError(
+                f"best_metric={self.best_metric!r} is not a validation metric: {sorted(self.last)}"
+            )
+        improved = self.best.improves(self.last[key], self.best_mode)
+        if improved:
+            self.best.step, self.best.value = step, self.last[key]
+        shown = {  # the first block's headline metrics on the console; every metric goes to the tracker
+            k: v for k, v in self.last.items() if "/" not in k[4:] and any(n in k for n in HEADLINE)
+        }
+        log0(
+            f"step {step} validation: "
+            + ", ".join(f"{k[4:]} {v:.4f}" for k, v in sorted(shown.items()))
+            + (" (best)" if improved else f" (best {self.best.value:.4f} at step {self.best.step})")
+        )
+        return improved
 
 
 def _to_device(batch: Any, device: torch.device) -> Any:
