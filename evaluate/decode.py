@@ -58,7 +58,7 @@ from specblock.evaluate.verify import (
 from specblock.evaluate.verify.sampling import Sampler, TorchSampler
 
 MODES = ("chain", "iid", "tree", "lookup", "autoregressive")
-DRAFTERLESS = ("lookup", "autoregressive")  # modes that need no drafter checkpoint
+DRAFTERLESS = ("autoregressive", "lookup")  # modes that need no drafter checkpoint
 
 
 @dataclass
@@ -122,8 +122,9 @@ class Generation:
     """tokens: the new tokens (the prompt excluded); iterations: one entry per verification; prefill_calls:
     target forwards outside iterations (the prefill; every step of autoregressive decoding).
     prefill_seconds: the wall time until the decoding loop starts (prompt forward, first token, the
-    drafter's first advance, whose calls and seconds are prefill_drafter_*); target_seconds: target
-    forward seconds after the prefill (autoregressive steps or iterations)."""
+    drafter's first advance, whose calls and seconds are prefill_drafter_*), of which
+    prefill_target_seconds the prompt's forward; target_seconds: target forward seconds after the
+    prefill (autoregressive steps or iterations)."""
 
     tokens: list[int]
     iterations: list[IterationStats]
@@ -134,6 +135,7 @@ class Generation:
     target_seconds: float = 0.0
     prefill_drafter_calls: int = 0
     prefill_drafter_seconds: float = 0.0
+    prefill_target_seconds: float = 0.0
 
 
 # ---------------------------------------------------------------- the target with a KV cache
@@ -326,7 +328,9 @@ class SpeculativeDecoder:
                 out.append(self._sample(logits[-1], gen))
             n = self.target.calls
             wall, decode_target = time.perf_counter() - start, self.target.seconds - prefill_target
-            return Generation(out, [], n, n, wall, prefill_seconds, decode_target)
+            return Generation(
+                out, [], n, n, wall, prefill_seconds, decode_target, prefill_target_seconds=prefill_target
+            )
         self.drafter.reset()
         after = torch.tensor([*prompt[1:], out[0]])
         if self.adapter is not None:
@@ -352,7 +356,7 @@ class SpeculativeDecoder:
             iterations.append(stats)
         result = Generation(
             out, iterations, self.target.calls, 1, time.perf_counter() - start, prefill_seconds,
-            self.target.seconds - prefill_target, *prefill_draft,
+            self.target.seconds - prefill_target, *prefill_draft, prefill_target,
         )  # fmt: skip
         if self.adapter is not None:
             self.adapter.observe_request(len(out), result.target_calls, result.seconds)
