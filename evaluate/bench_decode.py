@@ -49,6 +49,8 @@ class Split:
     verify: float = 0.0
     wall: float = 0.0
     accepted: int = 0
+    generations: int = 0
+    differ: int = 0  # temperature 0: first-repeat generations whose tokens differ from autoregressive's
     runs: list[tuple[int, float]] = field(default_factory=list)  # per repeat: (tokens, end-to-end seconds)
 
     def add(self, g: Generation) -> None:
@@ -59,6 +61,7 @@ class Split:
         self.verify += sum(it.verify_seconds for it in g.iterations)
         self.wall += g.seconds - g.prefill_seconds
         self.accepted += sum(it.accepted for it in g.iterations)
+        self.generations += 1
 
     @property
     def overhead(self) -> float:
@@ -109,13 +112,16 @@ def run_decoding(args, models: dict[str, torch.nn.Module], eos, prompts) -> dict
         for dec in per_dtype.values():
             dec.generate(prompts[0][: args.warmup_tokens])
     splits = {(dt, m): Split() for dt in decs for m in decs[dt]}
-    for _ in range(args.repeats):
+    for r in range(args.repeats):
         totals = {key: [0, 0.0] for key in splits}
         for i, ids in enumerate(prompts):
             for dt, per_dtype in decs.items():
+                reference = None  # autoregressive decoding's tokens in this dtype (it runs first)
                 for m, dec in per_dtype.items():
                     g = dec.generate(ids, seed=i)
+                    reference = g.tokens if m == AUTOREGRESSIVE else reference
                     splits[(dt, m)].add(g)
+                    splits[(dt, m)].differ += r == 0 and reference is not None and g.tokens != reference
                     totals[(dt, m)][0] += len(g.tokens)
                     totals[(dt, m)][1] += g.seconds
         for key, (n, s) in totals.items():
@@ -123,12 +129,12 @@ def run_decoding(args, models: dict[str, torch.nn.Module], eos, prompts) -> dict
     return splits
 
 
-def decoding_table(splits: dict[tuple[str, str], Split]) -> str:
+def decoding_table(splits: dict[tuple[str, str], Split], temperature: float) -> str:
     lines = [
         "| dtype | method | tokens / s (median) | x autoregressive (same dtype) | x float32 autoregressive "
         "| tokens / iteration | per token: draft / target / verify / other ms "
-        "| per iteration: draft / target / verify / other ms |",
-        "|---|---|---|---|---|---|---|---|",
+        "| per iteration: draft / target / verify / other ms | tokens ≠ autoregressive |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]  # fmt: skip
     for (dt, m), s in splits.items():
         tps = s.tokens_per_second()
@@ -141,9 +147,11 @@ def decoding_table(splits: dict[tuple[str, str], Split]) -> str:
         def ms(den: int) -> str:
             return " / ".join(f"{1e3 * ratio(v, den):.2f}" for v in (s.draft, s.target, s.verify, s.overhead))
 
+        per_repeat = s.generations // len(s.runs)
+        differ = f"{s.differ} of {per_repeat}" if temperature == 0 else "–"
         lines.append(
             f"| {dt} | {m} | {tps:.1f} | {x(same)} | {x(f32)} | {ratio(s.tokens, s.iterations):.2f} "
-            f"| {ms(s.tokens)} | {ms(s.iterations)} |"
+            f"| {ms(s.tokens)} | {ms(s.iterations)} | {differ} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -214,6 +222,9 @@ def parse_args(argv: list[str] | None):
     ap.add_argument("--target", default=DEFAULT_TARGET_DIR)
     ap.add_argument("--dtype", nargs="+", default=["float32"], choices=sorted(DTYPES))
     ap.add_argument("--device", default="cpu")
+    ap.add_argument(
+        "--threads", type=int, help="torch CPU threads (default torch's; on a CPU other jobs share, 1)"
+    )
     ap.add_argument("--dataset", default="humaneval")
     ap.add_argument(
         "--local-root", default="auto", help="evaluation files (auto: ../shared/datasets if present)"
@@ -240,6 +251,8 @@ def parse_args(argv: list[str] | None):
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     models, tokenizer = {}, None
     for dt in args.dtype:
         models[dt], tokenizer = load_target(
@@ -255,7 +268,7 @@ def main(argv: list[str] | None = None) -> None:
             f"tokens, L={args.draft_length}, T={args.temperature}, drafter={args.drafter}, {args.repeats} repeats\n"
         )  # fmt: skip
         splits = run_decoding(args, models, eos_ids(tokenizer, next(iter(models.values()))), prompts)
-        print(decoding_table(splits))
+        print(decoding_table(splits, args.temperature))
     if not args.skip_forward:
         times = {
             dt: forward_times(m, args.context, args.forward_tokens, args.forward_repeats)

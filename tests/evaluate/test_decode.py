@@ -10,7 +10,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specblock.data.target import FeatureTarget
-from specblock.evaluate.decode import DecodeConfig, SpeculativeDecoder, TargetSession
+from specblock.evaluate import decode as decode_mod
+from specblock.evaluate.decode import DecodeConfig, SpeculativeDecoder, TargetSession, greedy_path
 from specblock.evaluate.drafting import DraftTree, TreeConfig, drafts_tree
 from specblock.evaluate.laws import next_token_law
 from specblock.evaluate.verify import VerifyOutput
@@ -285,6 +286,34 @@ def test_tree_pruning_keeps_best_nodes_and_ancestors():
     assert all(p < n for n, p in enumerate(pruned.parents) if n)
 
 
+def test_greedy_path_follows_the_argmax_down_the_tree():
+    t = DraftTree()
+    a, b = t.add(0, 5, 0.0), t.add(0, 6, 0.0)  # root children 5 and 6
+    c = t.add(b, 7, 0.0)  # 6 -> 7
+    logits = torch.zeros(len(t), 10)
+    logits[0, 6] = logits[b, 7] = logits[c, 2] = 1.0  # argmax path: 6, 7, then 2 (no such child: next)
+    assert greedy_path(t, logits) == ([b, c], 2)
+    logits[0, 6], logits[0, 9] = 0.0, 3.0  # the root's argmax 9 is no child: nothing accepted
+    assert greedy_path(t, logits) == ([], 9)
+    assert a == 1
+
+
+def test_temperature_zero_forms_no_vocabulary_laws(greedy_setup, monkeypatch):
+    """At temperature 0 neither sampling nor verification calls next_token_law (whose [N, V] rows the
+    verifiers would copy to float64): only argmaxes are read."""
+    target, ds = greedy_setup
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("next_token_law called at temperature 0")
+
+    monkeypatch.setattr(decode_mod, "next_token_law", forbidden)
+    for mode, verifier, k in [("chain", "token", 1), ("iid", "spectr_gbv", 2), ("tree", "token", 1)]:
+        cfg = DecodeConfig(mode, verifier, k, 3, temperature=0.0, max_new_tokens=8)
+        assert len(SpeculativeDecoder(target, ds["eagle3"], cfg).generate(PROMPT).tokens) == 8
+    lookup = DecodeConfig("lookup", draft_length=3, temperature=0.0, max_new_tokens=8)
+    assert len(SpeculativeDecoder(target, None, lookup).generate(REPEATS).tokens) == 8
+
+
 def test_decode_config_errors():
     with pytest.raises(ValueError, match="mode"):
         DecodeConfig(mode="beam")
@@ -292,6 +321,8 @@ def test_decode_config_errors():
         DecodeConfig(mode="iid", verifier="block", num_drafts=2)
     with pytest.raises(ValueError, match="num_drafts=1"):
         DecodeConfig(mode="chain", verifier="token", num_drafts=2)
+    with pytest.raises(ValueError, match="lookup"):
+        DecodeConfig(mode="lookup", verifier="block")
 
 
 # ---------------------------------------------------------------- exact law of the real loop
