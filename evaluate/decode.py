@@ -42,6 +42,7 @@ from specblock.evaluate.drafting import (
     Root,
     TreeConfig,
     drafts_tree,
+    greedy_draft,
     make_session,
     sample_drafts,
 )
@@ -376,9 +377,8 @@ class SpeculativeDecoder:
             probs = None if self.greedy else point_mass(tokens, self.target.target.vocab_size)
             return tree, tokens, probs, nodes
         k = cfg.num_drafts
-        if self.greedy:  # identical one-hot drafts: draw once, copy
-            tokens, probs = sample_drafts(root, 1, cfg.draft_length, gen)
-            tokens, probs = tokens.expand(k, -1), probs.expand(k, -1, -1)
+        if self.greedy:  # identical argmax drafts: the chain once, copied; greedy_path reads no draft law
+            tokens, probs = greedy_draft(root, cfg.draft_length).expand(k, -1), None
         else:
             tokens, probs = sample_drafts(root, k, cfg.draft_length, gen)
         tree, nodes = drafts_tree(tokens.tolist())
