@@ -72,16 +72,23 @@ class Split:
         return statistics.median(n / s for n, s in self.runs)
 
 
-def make_drafter(spec: str | None, model) -> tuple[torch.nn.Module | None, list[int] | None]:
-    """(drafter, its feature layers) from an exported folder or `untrained-<name>`; (None, None) if none."""
+def make_drafter(
+    spec: str | None, model, draft_vocab: int | None = None
+) -> tuple[torch.nn.Module | None, list[int] | None]:
+    """(drafter, its feature layers) from an exported folder or `untrained-<name>` (random weights with a
+    draft vocabulary of the first `draft_vocab` ids, None = all: the shape of a trained one, costs only);
+    (None, None) without a drafter."""
     if spec is None:
         return None, None
     if spec.startswith(UNTRAINED):
-        from specblock.train.modeling import build_drafter
+        from specblock.train.modeling import DRAFTER_CONFIGS, build_drafter
 
+        name = spec[len(UNTRAINED) :]
         torch.manual_seed(0)
         emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
-        return build_drafter(spec[len(UNTRAINED) :], None, model.config, emb, head).eval(), None
+        d2t = None if draft_vocab is None else torch.arange(draft_vocab)
+        cfg = DRAFTER_CONFIGS[name](draft_vocab_size=draft_vocab)
+        return build_drafter(name, cfg, model.config, emb, head, d2t).eval(), None
     from specblock.train.export import load_drafter
 
     module, meta = load_drafter(spec)
@@ -90,7 +97,7 @@ def make_drafter(spec: str | None, model) -> tuple[torch.nn.Module | None, list[
 
 def decoders(args, model, eos: list[int]) -> dict[str, SpeculativeDecoder]:
     """One decoder per method, all on `model`; the drafter is cast to the model's dtype."""
-    drafter, layers = make_drafter(args.drafter, model)
+    drafter, layers = make_drafter(args.drafter, model, args.draft_vocab)
     if drafter is not None:
         drafter = drafter.to(device=model.device, dtype=model.dtype)
     out = {}
@@ -219,6 +226,12 @@ def parse_args(argv: list[str] | None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--methods", nargs="+", default=["autoregressive", "chain-token", "tree", "lookup"])
     ap.add_argument("--drafter", help="an exported drafter folder, or untrained-eagle3 / untrained-specblock")
+    ap.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=8192,
+        help="an untrained drafter's draft vocabulary (as configs/drafter)",
+    )
     ap.add_argument("--target", default=DEFAULT_TARGET_DIR)
     ap.add_argument("--dtype", nargs="+", default=["float32"], choices=sorted(DTYPES))
     ap.add_argument("--device", default="cpu")
