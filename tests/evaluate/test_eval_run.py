@@ -34,6 +34,13 @@ def test_eval_config_composes_and_validates():
     with pytest.raises(ValueError, match="datasets"):
         EvalConfig(datasets=["squad"])
     assert all(parse_method(m) for m in METHODS)
+    with initialize_config_module("specblock.configs", version_base=None):
+        over = ["target.dtype=auto", "methods=[autoregressive,lookup]", "lookup.max_ngram=4"]
+        cfg = compose("eval", overrides=[*over, "~drafters.specblock", "~drafters.eagle3"])
+    ec = OmegaConf.to_object(cfg)  # lookup needs no drafter; auto resolves to a concrete dtype
+    assert ec.drafters == {} and ec.lookup.max_ngram == 4 and ec.target.dtype in ("bfloat16", "float32")
+    with pytest.raises(ValueError, match="at least one drafter"):
+        EvalConfig(methods=["autoregressive", "lookup", "chain-token"], drafters={})
 
 
 def test_config_diff_names_keys_and_ignores_logging():
