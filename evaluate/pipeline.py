@@ -5,8 +5,9 @@
    answers, exported to checkpoints/quick-<drafter>/drafter; each training runs as its own
    `python -m specblock.train` process (one accelerate state per run);
 2. evaluation on GSM8K, HumanEval, MGSM, LM1B and Alpaca (small limits): at temperature 0 the two
-   dynamic trees and standard speculative decoding against autoregressive decoding (tokens per target
-   call and drafting cost), at temperature > 0 every verifier on the SpecBlock drafter's drafts;
+   dynamic trees, standard speculative decoding and prompt lookup (no drafter) against autoregressive
+   decoding (tokens per target call and drafting cost), at temperature > 0 every verifier on the
+   SpecBlock drafter's drafts, and prompt lookup;
 3. the results tables, printed and written to checkpoints/run/.
 
 A stage whose outputs exist and match is skipped: the data stage checks its manifest, a training run
@@ -127,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
             *common,
             f"drafters.eagle3={exports['eagle3']}",
             "temperature=0",
-            "methods=[autoregressive,chain-token,tree]",
+            "methods=[autoregressive,lookup,chain-token,tree]",
         ],
     )
     sampled = eval_stage(  # the verifier comparison, on the SpecBlock drafter's drafts only
@@ -136,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
             *common,
             "~drafters.eagle3",
             f"temperature={args.temperature}",
-            "methods=[autoregressive,chain-token,chain-block,chain-greedy_block,iid-spectr,iid-rrs,iid-spectr_gbv]",
+            "methods=[autoregressive,lookup,chain-token,chain-block,chain-greedy_block,iid-spectr,iid-rrs,iid-spectr_gbv]",
         ],
     )
     print(f"\n[run] done in {(time.perf_counter() - start) / 60:.1f} min; tables in {OUT}/greedy/results.md and "

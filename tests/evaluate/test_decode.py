@@ -10,7 +10,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specblock.data.target import FeatureTarget
-from specblock.evaluate.decode import DecodeConfig, SpeculativeDecoder, TargetSession
+from specblock.evaluate import decode as decode_mod
+from specblock.evaluate.decode import DecodeConfig, SpeculativeDecoder, TargetSession, greedy_path
 from specblock.evaluate.drafting import DraftTree, TreeConfig, drafts_tree
 from specblock.evaluate.laws import next_token_law
 from specblock.evaluate.verify import VerifyOutput
@@ -155,12 +156,12 @@ class OracleRoot:
 VOCAB, HORIZON, SAMPLES = 24, 3, 1200
 
 
-def exact_law(target: FeatureTarget, temperature: float, top_p: float) -> dict[tuple, float]:
-    """The target's law of the first HORIZON new tokens after PROMPT, by enumeration."""
+def exact_law(target: FeatureTarget, temperature: float, top_p: float, prompt=PROMPT) -> dict[tuple, float]:
+    """The target's law of the first HORIZON new tokens after `prompt`, by enumeration."""
     law = {(): 1.0}
     for _ in range(HORIZON):
         seqs = list(law)
-        ids = torch.tensor([PROMPT + list(s) for s in seqs])
+        ids = torch.tensor([prompt + list(s) for s in seqs])
         with torch.no_grad():
             logits = target.model(ids).logits[:, -1].float()
         probs = next_token_law(logits, temperature, top_p).double()
@@ -285,6 +286,34 @@ def test_tree_pruning_keeps_best_nodes_and_ancestors():
     assert all(p < n for n, p in enumerate(pruned.parents) if n)
 
 
+def test_greedy_path_follows_the_argmax_down_the_tree():
+    t = DraftTree()
+    a, b = t.add(0, 5, 0.0), t.add(0, 6, 0.0)  # root children 5 and 6
+    c = t.add(b, 7, 0.0)  # 6 -> 7
+    logits = torch.zeros(len(t), 10)
+    logits[0, 6] = logits[b, 7] = logits[c, 2] = 1.0  # argmax path: 6, 7, then 2 (no such child: next)
+    assert greedy_path(t, logits) == ([b, c], 2)
+    logits[0, 6], logits[0, 9] = 0.0, 3.0  # the root's argmax 9 is no child: nothing accepted
+    assert greedy_path(t, logits) == ([], 9)
+    assert a == 1
+
+
+def test_temperature_zero_forms_no_vocabulary_laws(greedy_setup, monkeypatch):
+    """At temperature 0 neither sampling nor verification calls next_token_law (whose [N, V] rows the
+    verifiers would copy to float64): only argmaxes are read."""
+    target, ds = greedy_setup
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("next_token_law called at temperature 0")
+
+    monkeypatch.setattr(decode_mod, "next_token_law", forbidden)
+    for mode, verifier, k in [("chain", "token", 1), ("iid", "spectr_gbv", 2), ("tree", "token", 1)]:
+        cfg = DecodeConfig(mode, verifier, k, 3, temperature=0.0, max_new_tokens=8)
+        assert len(SpeculativeDecoder(target, ds["eagle3"], cfg).generate(PROMPT).tokens) == 8
+    lookup = DecodeConfig("lookup", draft_length=3, temperature=0.0, max_new_tokens=8)
+    assert len(SpeculativeDecoder(target, None, lookup).generate(REPEATS).tokens) == 8
+
+
 def test_decode_config_errors():
     with pytest.raises(ValueError, match="mode"):
         DecodeConfig(mode="beam")
@@ -292,6 +321,8 @@ def test_decode_config_errors():
         DecodeConfig(mode="iid", verifier="block", num_drafts=2)
     with pytest.raises(ValueError, match="num_drafts=1"):
         DecodeConfig(mode="chain", verifier="token", num_drafts=2)
+    with pytest.raises(ValueError, match="lookup"):
+        DecodeConfig(mode="lookup", verifier="block")
 
 
 # ---------------------------------------------------------------- exact law of the real loop
@@ -319,14 +350,24 @@ def exact_setup():
     patch.uninstall()
 
 
-def loop_law(target, drafter, cfg: DecodeConfig, carry: bool = True) -> dict[tuple, float]:
+def loop_law(target, drafter, cfg: DecodeConfig, carry: bool = True, prompt=PROMPT, accepted=None):
     """The exact law of the loop's generated sequences: every random choice of the real decoding loop
-    (drafts, verifier coins, corrections, bonus tokens) enumerated with the exact sampler."""
+    (drafts, verifier coins, corrections, bonus tokens) enumerated with the exact sampler. `accepted`, a
+    list, receives the probability of the outcomes in which some draft token was accepted."""
     dec = SpeculativeDecoder(target, drafter, cfg)
     dec.cross = dec.cross and carry
     law: dict[tuple, float] = {}
-    for w, seq in enumerate_outcomes(lambda s: tuple(dec.generate(PROMPT, sampler=s).tokens)):
+    hits = []
+
+    def run(s):
+        g = dec.generate(prompt, sampler=s)
+        hits.append(any(it.accepted for it in g.iterations))
+        return tuple(g.tokens)
+
+    for i, (w, seq) in enumerate(enumerate_outcomes(run)):
         law[seq] = law.get(seq, 0.0) + w
+        if accepted is not None and hits[i]:
+            accepted.append(w)
     return law
 
 
@@ -343,3 +384,52 @@ def test_exact_law_of_the_loop_with_continuations(exact_setup):
     cfg = DecodeConfig("chain", "greedy_block", 1, 2, 1.0, 0.5, max_new_tokens=HORIZON)
     assert max_error(loop_law(target, ds["specblock"], cfg), ref) < 1e-6
     assert max_error(loop_law(target, ds["specblock"], cfg, carry=False), ref) > 1e-3
+
+
+# ---------------------------------------------------------------- prompt lookup (no drafter)
+
+REPEATS = [3, 3, 4, 3, 3, 4, 3]  # prompts with repeated spans, so lookup finds drafts from the start
+LOOKUP_PROMPTS = [PROMPT, [7, 2], REPEATS, [1, 2, 5, 1, 2, 5, 1]]
+# (5, 9, 3), then the 24-token target's greedy continuation of it, then (5, 9, 3) again: the first
+# iteration drafts that continuation, which the target often (not always) samples
+LOOKUP_PROMPT = [5, 9, 3, 11, 12, 7, 23, 5, 9, 3]
+
+
+def test_lookup_greedy_equals_target_greedy(greedy_setup):
+    target, _ = greedy_setup
+    ar = DecodeConfig(mode="autoregressive", temperature=0.0, max_new_tokens=24)
+    accepted = 0
+    for prompt in LOOKUP_PROMPTS:
+        ref = SpeculativeDecoder(target, None, ar).generate(prompt)
+        cfg = DecodeConfig("lookup", draft_length=4, temperature=0.0, max_new_tokens=24)
+        out = SpeculativeDecoder(target, None, cfg).generate(prompt)
+        assert out.tokens == ref.tokens
+        assert out.target_calls == out.prefill_calls + len(out.iterations)
+        assert all(it.drafter_calls == 0 for it in out.iterations) and out.prefill_drafter_calls == 0
+        accepted += sum(it.accepted for it in out.iterations)
+    assert accepted >= 10  # the random target loops, and lookup drafts its loops
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 0.5), (0.7, 0.5)])
+def test_exact_law_of_lookup_decoding(temperature, top_p):
+    """Lookup through the real loop (token verifier with a point-mass draft, plain target steps where
+    nothing matches): the law of three generated tokens equals the target's, with drafts accepted in a
+    good part of the outcomes; a verifier that accepts every draft token is caught (negative control)."""
+    target, prompt = tiny_target(VOCAB, 12.0, seed=2), LOOKUP_PROMPT
+    cfg = DecodeConfig("lookup", draft_length=2, temperature=temperature, top_p=top_p, max_new_tokens=HORIZON)
+    ref, accepted = exact_law(target, temperature, top_p, prompt), []
+    law = loop_law(target, None, cfg, prompt=prompt, accepted=accepted)
+    assert max_error(law, ref) < 1e-6  # float32 forwards of different shapes
+    assert sum(accepted) > 0.1  # P(some draft token accepted): 0.22 at T = 1, 0.16 at T = 0.7
+
+
+def test_exact_law_of_lookup_catches_a_lossy_verifier(monkeypatch):
+    target, prompt = tiny_target(VOCAB, 12.0, seed=2), LOOKUP_PROMPT
+
+    def accept_all(target_probs, draft_probs, draft_tokens, generator=None, *, sampler=None):
+        L = draft_tokens.shape[1]
+        return VerifyOutput(L, 0, sampler.categorical(target_probs[0, L]))
+
+    monkeypatch.setitem(verify_base.VERIFIERS, "token", accept_all)
+    cfg = DecodeConfig("lookup", draft_length=2, temperature=1.0, top_p=0.5, max_new_tokens=HORIZON)
+    assert max_error(loop_law(target, None, cfg, prompt=prompt), exact_law(target, 1.0, 0.5, prompt)) > 1e-3

@@ -34,6 +34,13 @@ def test_eval_config_composes_and_validates():
     with pytest.raises(ValueError, match="datasets"):
         EvalConfig(datasets=["squad"])
     assert all(parse_method(m) for m in METHODS)
+    with initialize_config_module("specblock.configs", version_base=None):
+        over = ["target.dtype=auto", "methods=[autoregressive,lookup]", "lookup.max_ngram=4"]
+        cfg = compose("eval", overrides=[*over, "~drafters.specblock", "~drafters.eagle3"])
+    ec = OmegaConf.to_object(cfg)  # lookup needs no drafter; auto resolves to a concrete dtype
+    assert ec.drafters == {} and ec.lookup.max_ngram == 4 and ec.target.dtype in ("bfloat16", "float32")
+    with pytest.raises(ValueError, match="at least one drafter"):
+        EvalConfig(methods=["autoregressive", "lookup", "chain-token"], drafters={})
 
 
 def test_config_diff_names_keys_and_ignores_logging():
@@ -81,7 +88,7 @@ def test_evaluate_end_to_end_on_tiny_target(tmp_path):
     assert "| humaneval |" in report and "specblock:tree" in report and "eagle3:iid-spectr_gbv" in report
     assert "reproduced the target's greedy output exactly" in report
     overall = {r["method"]: r for r in rows if r["dataset"] == "overall"}
-    assert set(overall) == {"autoregressive"} | {f"{d}:{m}" for d in folders for m in METHODS[1:]}
+    assert set(overall) == {"autoregressive", "lookup"} | {f"{d}:{m}" for d in folders for m in METHODS[2:]}
     for method, r in overall.items():
         c = r["counts"]
         assert c["generations"] == 2 and c["tokens"] > 0
@@ -89,7 +96,8 @@ def test_evaluate_end_to_end_on_tiny_target(tmp_path):
         assert r["greedy_mismatches"] == 0
         if method != "autoregressive":
             assert c["target_calls"] == c["iterations"] + c["generations"]
-            assert c["drafter_calls"] >= c["iterations"]
+            assert c["drafter_calls"] >= c["iterations"] or (method == "lookup" and c["drafter_calls"] == 0)
+        assert 0 < c["target_seconds"] < c["wall_seconds"]
 
 
 def test_sweep_report_pools_jobs_and_plots_swept_axes(tmp_path):
@@ -178,3 +186,51 @@ def test_an_unavailable_eval_set_is_skipped_and_named(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="offline"):
         cfg.on_unavailable = "error"
         evaluate(cfg)
+
+
+def test_greedy_mismatches_are_counted_per_method_and_explained(tmp_path, monkeypatch):
+    """At temperature 0 a generation whose tokens differ from autoregressive decoding's is counted under
+    its method, and the report says why (the top-2 logit gap where it diverged); the same app runs the
+    target in bf16 (target.dtype), lookup needing no drafter."""
+    from specblock.evaluate.decode import SpeculativeDecoder
+
+    real, flipped = SpeculativeDecoder.generate, []
+
+    def generate(self, prompt, seed=0, sampler=None):
+        g = real(self, prompt, seed, sampler)
+        if self.cfg.mode == "lookup" and not flipped:  # one lookup generation ends differently
+            flipped.append(g.tokens[-1])
+            g.tokens = [*g.tokens[:-1], g.tokens[-1] + 1]
+        return g
+
+    monkeypatch.setattr(SpeculativeDecoder, "generate", generate)
+    ensure_embedded_target(TINY_TARGET_DIR)
+    cfg = EvalConfig(
+        output_dir=str(tmp_path / "f32"), target=TargetConfig(name_or_path=TINY_TARGET_DIR, dtype="float32"),
+        drafters={}, methods=["autoregressive", "lookup"], datasets=["humaneval"], local_root=None, limit=2,
+        max_new_tokens=6,
+    )  # fmt: skip
+    overall = {r["method"]: r for r in evaluate(cfg) if r["dataset"] == "overall"}
+    assert overall["lookup"]["greedy_mismatches"] == 1 and overall["autoregressive"]["greedy_mismatches"] == 0
+    report = (tmp_path / "f32" / "results.md").read_text()
+    assert "(lookup: 1;" in report and "top-2 logit gap was at most" in report
+    cfg.output_dir = str(tmp_path / "bf16")
+    cfg.target = TargetConfig(name_or_path=TINY_TARGET_DIR, dtype="bfloat16")
+    rows = evaluate(cfg)
+    assert {r["dtype"] for r in rows} == {"bfloat16"}
+    assert {r["method"] for r in rows} == {"autoregressive", "lookup"}
+
+
+def test_auto_dtype_picks_bf16_only_where_the_device_has_native_kernels(tmp_path):
+    from specblock.data.target import auto_dtype, cpu_flags
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor : 0\nflags\t\t: fpu sse avx2 avx512f avx512_bf16\n")
+    assert cpu_flags(str(info)) == {"fpu", "sse", "avx2", "avx512f", "avx512_bf16"}
+    assert cpu_flags(str(tmp_path / "missing")) == set()
+    assert auto_dtype("cpu", {"avx512f", "avx512_bf16"}) == "bfloat16"
+    assert auto_dtype("cpu", {"amx_bf16"}) == "bfloat16"
+    assert auto_dtype("cpu", {"avx2", "avx512f"}) == "float32"
+    assert TargetConfig(dtype="auto").dtype in ("bfloat16", "float32")
+    with pytest.raises(ValueError, match="auto"):
+        TargetConfig(dtype="float64")

@@ -107,3 +107,22 @@ def test_invalid_inputs_fail_loudly():
         acc.add_iteration("a", "chain", accepted=4, emitted=5, draft_len=3, drafter_calls=3)
     with pytest.raises(ValueError, match="reserved"):
         acc.add_generation(OVERALL, "chain", tokens=1, seconds=1.0)
+
+
+def test_time_split_sums_before_dividing_and_overhead_is_the_rest():
+    acc = Accumulator()
+    acc.add_iteration(
+        "a", "lookup", accepted=2, emitted=3, draft_len=3, drafter_calls=0,
+        drafter_seconds=0.25, verify_seconds=0.125, target_seconds=1.0,
+    )  # fmt: skip
+    acc.add_generation(
+        "a", "lookup", tokens=4, seconds=2.0, target_calls=1, target_seconds=0.5,
+        drafter_calls=1, drafter_seconds=0.125,
+    )  # fmt: skip
+    c = acc.get(OVERALL, "lookup")
+    assert (c.target_seconds, c.drafter_seconds, c.drafter_calls) == (1.5, 0.375, 1)
+    m = derived(c)
+    assert m["target_seconds_per_token"] == 1.5 / 4
+    assert m["overhead_seconds_per_token"] == (2.0 - 0.375 - 1.5 - 0.125) / 4
+    older = {k: v for k, v in c.to_dict().items() if k != "target_seconds"}  # a record from before the field
+    assert Counts.from_dict(older).target_seconds == 0
