@@ -20,13 +20,17 @@ _GZIP_WBITS = 16 + zlib.MAX_WBITS
 
 @dataclass(frozen=True)
 class EvalPrompt:
-    """One prompt: either chat `messages` (one user turn) or a plain `text` prefix, never both."""
+    """One prompt: either chat `messages` (the first user turn) or a plain `text` prefix, never both.
+    `followups`: further user turns, each asked after the model's own answer to the previous one
+    (MT-Bench's second turn); `category`: the set's own category (MT-Bench, Spec-Bench), for reports."""
 
-    dataset: str  # gsm8k | humaneval | mgsm_<lang> | lm1b | alpaca
+    dataset: str  # gsm8k | humaneval | mgsm_<lang> | lm1b | alpaca | mt_bench | spec_bench | custom
     id: str  # the row's own id (HumanEval task_id, Alpaca seed id), else "<dataset>/<0-based row>"
     messages: list[dict[str, str]] | None  # [{"role": "user", "content": ...}] for the chat template
     text: str | None  # tokenized as is: LM1B, HumanEval and every set for base models
     reference: str | None = None  # gold number (gsm8k, mgsm), canonical solution, continuation, output
+    followups: tuple[str, ...] = ()
+    category: str | None = None
 
     def __post_init__(self):
         if (self.messages is None) == (self.text is None):
@@ -136,7 +140,7 @@ def one_turn_prompt(
 class HubSpec:
     """Where a set lives on the hub: dataset id, config ('{language}' for one per language), split."""
 
-    path: str
+    path: str | None  # None: the set has no default hub copy; a hub id must be configured
     config: str | None
     split: str
     revision: str | None = None  # PARQUET_EXPORT for datasets that still ship a loading script
@@ -146,8 +150,47 @@ class HubSpec:
 class EvalSetSpec:
     """One evaluation set: its local file and reader, its hub split, and how a row becomes a prompt."""
 
-    local_file: str  # relative to local_root; '{language}' for one file per language
+    local_file: str | None  # relative to local_root ('{language}': one file per language); None: config
     read: Callable[[Path, RowPolicy], Iterator[tuple[int, Any]]]  # file -> (0-based row, raw row)
     hub: HubSpec
-    build: Callable[[dict, RowAt, bool], EvalPrompt]  # raw row -> prompt, or BadInputError
+    build: Callable[[dict, RowAt, bool], EvalPrompt] | None  # raw row -> prompt, or BadInputError
     package_file: tuple[str, str] | None = None  # (package, file in it) used when local_root is unset
+    configure: Callable[[Any], Callable[[dict, RowAt, bool], EvalPrompt]] | None = None  # cfg -> build
+
+
+def read_json_list(path: Path, policy: RowPolicy) -> Iterator[tuple[int, Any]]:
+    """A JSON file holding one list of objects (AlpacaEval, ShareGPT style)."""
+    try:
+        rows = json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise BadInputError(str(path), None, None, f"not valid JSON ({err})") from err
+    if not isinstance(rows, list):
+        raise BadInputError(
+            str(path), None, None, f"expected a JSON list of objects, got {type(rows).__name__}"
+        )
+    yield from enumerate(rows)
+
+
+def read_parquet(path: Path, policy: RowPolicy) -> Iterator[tuple[int, Any]]:
+    """A Parquet table, one dict per row."""
+    import pyarrow.parquet as pq  # here: only this format needs it (installed with `datasets`)
+
+    try:
+        table = pq.read_table(path)
+    except Exception as err:  # pyarrow raises several types for a file that is not Parquet
+        raise BadInputError(str(path), None, None, f"not a readable Parquet file ({err})") from err
+    yield from enumerate(table.to_pylist())
+
+
+def read_any(path: Path, policy: RowPolicy) -> Iterator[tuple[int, Any]]:
+    """By suffix: .jsonl / .jsonl.gz (one object a line), .json (a list), .parquet."""
+    name = path.name.lower()
+    if name.endswith((".jsonl", ".jsonl.gz")):
+        return read_jsonl(path, policy)
+    if name.endswith(".json"):
+        return read_json_list(path, policy)
+    if name.endswith(".parquet"):
+        return read_parquet(path, policy)
+    raise BadInputError(
+        str(path), None, None, "unknown format: expected .json, .jsonl, .jsonl.gz or .parquet"
+    )

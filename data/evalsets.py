@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import importlib.resources
 import importlib.util
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 from tqdm import tqdm
 
@@ -35,7 +35,9 @@ from .evalrows import (
     read_mgsm_tsv,
     str_field,
 )
+from .hub import require_hub
 from .io import sha256_file, subsample
+from .question_sets import MAX_QUESTION_TURNS, QUESTION_SETS, CustomSetConfig
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -50,18 +52,23 @@ MGSM_LANGUAGES = ("bn", "de", "en", "es", "fr", "ja", "ru", "sw", "te", "th", "z
 # `datasets` >= 4 refuses datasets that still ship a loading script (mgsm, lm1b); the hub keeps an
 # automatic Parquet export of them on this revision, laid out <config>/<split>/*.parquet.
 PARQUET_EXPORT = "refs/convert/parquet"
+# How a base model (plain text) is asked a follow-up turn: its answer, a blank line, the next question.
+PLAIN_TURN_SEPARATOR = "\n\n"
 
 
 @dataclass
 class EvalSetConfig:
     """Which evaluation set, read from where, and how many of its prompts."""
 
-    name: str = "gsm8k"  # a key of EVAL_SETS: gsm8k | humaneval | mgsm | lm1b | alpaca
+    name: str = "gsm8k"  # a key of EVAL_SETS: gsm8k humaneval mgsm lm1b alpaca mt_bench spec_bench custom
     local_root: str | None = None  # folder laid out like shared/datasets; None: the hub (HumanEval: package)
     languages: list[str] = field(default_factory=lambda: ["en"])  # MGSM only; ["all"]: every one found
     limit: int | None = 20  # prompts kept (per language for MGSM); None keeps all
     seed: int = 0  # fixes which `limit` rows are kept
     on_bad_row: str = "error"  # error: raise on the first bad row | skip: drop and count it
+    mt_bench_turns: int = 1  # mt_bench / spec_bench: 2 also asks the second turn after the model's answer
+    hub_id: str | None = None  # a hub dataset id in place of the set's default copy (mt_bench, spec_bench)
+    custom: CustomSetConfig = field(default_factory=CustomSetConfig)  # name=custom: the user's own prompts
 
     def __post_init__(self):
         if self.name not in EVAL_SETS:
@@ -72,6 +79,12 @@ class EvalSetConfig:
             raise ValueError(f"eval set languages must be ['all'] or a non-empty list, got {self.languages}")
         if self.on_bad_row not in ON_BAD_ROW:
             raise ValueError(f"on_bad_row must be one of {ON_BAD_ROW}, got {self.on_bad_row!r}")
+        if not 1 <= self.mt_bench_turns <= MAX_QUESTION_TURNS:
+            raise ValueError(f"mt_bench_turns must be 1 or {MAX_QUESTION_TURNS}, got {self.mt_bench_turns}")
+        if self.name == "custom" and not (self.custom.path or self.custom.hub_id):
+            raise ValueError(
+                "the custom eval set needs custom.path (a .json/.jsonl/.parquet file) or custom.hub_id"
+            )
 
 
 @dataclass(frozen=True)
@@ -172,12 +185,13 @@ EVAL_SETS: dict[str, EvalSetSpec] = {
     "alpaca": EvalSetSpec(
         "alpaca/seed_tasks.jsonl", read_jsonl, HubSpec("tatsu-lab/alpaca", None, "train"), _alpaca
     ),
+    **QUESTION_SETS,
 }
 
 
 def _languages(spec: EvalSetSpec, cfg: EvalSetConfig) -> list[str | None]:
     """The languages to load: [None] for single-file sets; ['all'] lists the local files or MGSM_LANGUAGES."""
-    if "{language}" not in spec.local_file:
+    if spec.local_file is None or "{language}" not in spec.local_file:
         return [None]
     if cfg.languages != ["all"]:
         return list(cfg.languages)
@@ -192,7 +206,12 @@ def _languages(spec: EvalSetSpec, cfg: EvalSetConfig) -> list[str | None]:
 
 
 def _local_path(spec: EvalSetSpec, cfg: EvalSetConfig, language: str | None) -> Path | None:
-    """The file to read: under local_root, else inside the installed package, else None (the hub)."""
+    """The file to read: the configured one (custom), under local_root, else inside the installed package,
+    else None (the hub)."""
+    if spec.local_file is None:
+        if cfg.custom.path is not None and not Path(cfg.custom.path).is_file():
+            raise FileNotFoundError(f"custom.path={cfg.custom.path!r}: no such file")
+        return None if cfg.custom.path is None else Path(cfg.custom.path)
     if cfg.local_root is not None:
         path = Path(cfg.local_root) / spec.local_file.format(language=language)
         if not path.is_file():
@@ -207,8 +226,21 @@ def _local_path(spec: EvalSetSpec, cfg: EvalSetConfig, language: str | None) -> 
     return None
 
 
+def _hub_spec(spec: EvalSetSpec, cfg: EvalSetConfig) -> HubSpec:
+    """The hub split to read: the set's own, with `hub_id` in place of its dataset id when configured."""
+    if spec.local_file is None:  # the user's own set
+        return HubSpec(cfg.custom.hub_id, None, cfg.custom.split)
+    return spec.hub if cfg.hub_id is None else replace(spec.hub, path=cfg.hub_id, revision=None)
+
+
 def _hub_rows(hub: HubSpec, language: str | None) -> tuple[str, Iterable[tuple[int, Any]], dict]:
     """(source label, (row, dict) pairs, provenance) for one hub split, read through `datasets`."""
+    if hub.path is None:
+        raise FileNotFoundError(
+            "this set has no default hub copy: set local_root to a folder holding it, or hub_id to a hub "
+            "dataset with the same fields"
+        )
+    require_hub(hub.path)  # one short probe per process instead of ~30 s of retries per set
     import datasets  # here, not at the top: it costs ~1 s to import and local loading never needs it
 
     config = hub.config.format(language=language) if hub.config else None
@@ -227,7 +259,12 @@ def _hub_rows(hub: HubSpec, language: str | None) -> tuple[str, Iterable[tuple[i
 
 
 def _build_all(
-    spec: EvalSetSpec, label: str, src: str, rows: Iterable, chat: bool, policy: RowPolicy
+    build: Callable[[dict, RowAt, bool], EvalPrompt],
+    label: str,
+    src: str,
+    rows: Iterable,
+    chat: bool,
+    policy: RowPolicy,
 ) -> list[EvalPrompt]:
     """Every row -> EvalPrompt, in file order; bad rows go through `policy` (raise or count)."""
     prompts = []
@@ -236,7 +273,7 @@ def _build_all(
         try:
             if not isinstance(raw, dict):
                 raise at.bad(None, f"expected a JSON object, got {type(raw).__name__}")
-            prompts.append(spec.build(raw, at, chat))
+            prompts.append(build(raw, at, chat))
         except BadInputError as err:
             policy.bad(err)
     return prompts
@@ -246,16 +283,17 @@ def load_eval_set(cfg: EvalSetConfig, chat: bool = True) -> EvalSet:
     """Load, validate and subsample one evaluation set. `chat`: the target has a chat template (messages)
     or is a base model (plain text; LM1B is plain text either way)."""
     spec, policy = EVAL_SETS[cfg.name], RowPolicy(cfg.on_bad_row)
+    build = spec.build if spec.configure is None else spec.configure(cfg)
     prompts, sources = [], []
     for language in _languages(spec, cfg):
         label = f"{cfg.name}_{language}" if language else cfg.name
         path = _local_path(spec, cfg, language)
         if path is None:
-            src, rows, source = _hub_rows(spec.hub, language)
+            src, rows, source = _hub_rows(_hub_spec(spec, cfg), language)
         else:
             src, rows = str(path), spec.read(path, policy)
             source = {"file": str(path), "sha256": sha256_file(path)}
-        prompts += subsample(_build_all(spec, label, src, rows, chat, policy), cfg.limit, cfg.seed)
+        prompts += subsample(_build_all(build, label, src, rows, chat, policy), cfg.limit, cfg.seed)
         sources.append(source)
     return EvalSet(cfg.name, prompts, sources, policy)
 
@@ -271,3 +309,21 @@ def prompt_ids(prompt: EvalPrompt, tokenizer: PreTrainedTokenizerBase) -> list[i
         prompt.messages, add_generation_prompt=True, tokenize=True, return_dict=True
     )
     return list(enc["input_ids"])
+
+
+def turn_ids(prompt: EvalPrompt, answers: list[str], tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """Token ids of turn len(answers): the first turn (prompt_ids), or the conversation so far, each
+    follow-up asked after the model's own answer to the previous turn (MT-Bench's two-turn protocol).
+    Plain-text prompts append answer + PLAIN_TURN_SEPARATOR + follow-up."""
+    if len(answers) > len(prompt.followups):
+        raise ValueError(
+            f"{prompt.id} has {1 + len(prompt.followups)} turns, asked for turn {len(answers) + 1}"
+        )
+    pairs = list(zip(answers, prompt.followups))
+    if prompt.text is not None:
+        text = prompt.text + "".join(a + PLAIN_TURN_SEPARATOR + f for a, f in pairs)
+        return prompt_ids(replace(prompt, text=text), tokenizer)
+    messages = list(prompt.messages)
+    for answer, followup in pairs:
+        messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": followup}]
+    return prompt_ids(replace(prompt, messages=messages), tokenizer)
