@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from hydra.core.config_store import ConfigStore
 
 from specblock.data.evalsets import EVAL_SETS
+from specblock.data.question_sets import CustomSetConfig
 from specblock.data.target import TargetConfig
 
 from .adapt import AdaptConfig
@@ -90,6 +91,9 @@ class EvalConfig:
     local_root: str | None = "auto"  # auto: ../shared/datasets if present; None: the hub / packages
     on_unavailable: str = "skip"  # a set that cannot be loaded (offline hub): skip with a warning | error
     mgsm_languages: list[str] = field(default_factory=lambda: ["en"])
+    mt_bench_turns: int = 1  # mt_bench / spec_bench: 2 asks the second turn after the model's own answer
+    hub_ids: dict[str, str] = field(default_factory=dict)  # set name -> hub dataset id (mt_bench, spec_bench)
+    custom: CustomSetConfig = field(default_factory=CustomSetConfig)  # the `custom` set: your own prompts
     limit: int = 3  # prompts per dataset (per language for MGSM)
     max_new_tokens: int = 64
     max_prompt_tokens: int = 512  # longer prompts keep their last tokens
@@ -109,6 +113,12 @@ class EvalConfig:
         unknown = [d for d in self.datasets if d not in EVAL_SETS]
         if unknown:
             raise ValueError(f"datasets {unknown} are not among {sorted(EVAL_SETS)}")
+        if "custom" in self.datasets and not (self.custom.path or self.custom.hub_id):
+            raise ValueError(
+                "datasets has custom: set custom.path (a .json/.jsonl/.parquet file) or custom.hub_id"
+            )
+        if self.mt_bench_turns not in (1, 2):
+            raise ValueError(f"mt_bench_turns must be 1 or 2, got {self.mt_bench_turns}")
         if self.limit < 1 or self.max_new_tokens < 1 or self.max_prompt_tokens < 1:
             raise ValueError("limit, max_new_tokens and max_prompt_tokens must be >= 1")
         if self.on_unavailable not in ("skip", "error"):

@@ -2,7 +2,10 @@
 
 `evaluate(cfg)` loads the target and every drafter, generates for every (dataset, prompt, method,
 drafter) with the same seed per prompt, sums counts per (dataset, method) and writes `results.jsonl`,
-`results.md` (datasets x methods) and `acceptance_at.png` under `cfg.output_dir`. At temperature 0
+`results.md` (datasets x methods) and `acceptance_at.png` under `cfg.output_dir`; sets with categories
+(MT-Bench, Spec-Bench, a custom set's category field) also get `results_by_category.jsonl` and a
+per-category table. A prompt with follow-up turns (mt_bench_turns=2) is decoded turn by turn: each
+follow-up is asked after the same decoder's own answer, and every turn counts. At temperature 0
 every scheme must reproduce the target's greedy output; the report counts generations that do not
 (`greedy_mismatches`: with a bf16 target, near-ties can flip between a tree forward and a one-token
 forward; in float32 there are none).
@@ -19,7 +22,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from specblock.data.evalsets import EvalSetConfig, load_eval_set, prompt_ids
+from specblock.data.evalsets import EvalPrompt, EvalSet, EvalSetConfig, load_eval_set, turn_ids
 from specblock.data.io import atomic_path
 from specblock.data.target import FeatureTarget, ensure_embedded_target, load_target
 from specblock.train.export import load_drafter
@@ -29,10 +32,13 @@ from .config import EvalConfig, parse_method
 from .decode import DecodeConfig, Generation, SpeculativeDecoder
 from .drafting import TreeConfig
 from .metrics import AUTOREGRESSIVE, Accumulator
-from .report import cost_table, markdown_report, plot_acceptance_at, records, write_jsonl
+from .report import category_report, cost_table, markdown_report, plot_acceptance_at, records, write_jsonl
 
 AUTO_ROOT = "../shared/datasets"
 SEPARATOR = ":"  # method labels: "<drafter>:<method>", e.g. "specblock:tree"
+# Seed offset of turn k of a prompt: a large prime, so that no turn of one prompt reuses the seed of
+# another prompt's first turn (prompt i's first turn keeps seed * 100_003 + i, as before turns existed).
+TURN_SEED_STRIDE = 1_000_003
 
 
 def eos_ids(tokenizer, model) -> list[int]:
@@ -81,6 +87,9 @@ def load_set(cfg: EvalConfig, name: str):
         limit=cfg.limit,
         seed=cfg.seed,
         on_bad_row="skip",
+        mt_bench_turns=cfg.mt_bench_turns,
+        hub_id=cfg.hub_ids.get(name),
+        custom=cfg.custom,
     )
     try:
         return load_eval_set(make(root))
@@ -154,23 +163,7 @@ def evaluate(cfg: EvalConfig, resolved: dict[str, Any] | None = None) -> list[di
             print(f"WARNING: skipping {d}: {err}")
     for s in sets:
         print(s.summary())
-    acc, mismatches = Accumulator(), {}
-    total = sum(len(s) for s in sets) * len(runs)
-    bar = tqdm(total=total, desc="evaluate", unit="gen")
-    for s in sets:
-        for i, prompt in enumerate(s.prompts):
-            ids = prompt_ids(prompt, tokenizer)[-cfg.max_prompt_tokens :]
-            reference = None
-            for label, dec in runs:
-                bar.set_postfix_str(f"{prompt.dataset} {label}")
-                g = dec.generate(ids, seed=cfg.seed * 100_003 + i)
-                record(acc, prompt.dataset, label, g)
-                if label == AUTOREGRESSIVE:
-                    reference = g.tokens
-                elif cfg.temperature == 0 and reference is not None and g.tokens != reference:
-                    mismatches[label] = mismatches.get(label, 0) + 1
-                bar.update()
-    bar.close()
+    acc, by_category, mismatches = decode_sets(sets, runs, tokenizer, cfg)
     fields = {
         "K": cfg.num_drafts,
         "L": cfg.draft_length,
@@ -185,6 +178,10 @@ def evaluate(cfg: EvalConfig, resolved: dict[str, Any] | None = None) -> list[di
         r["greedy_mismatches"] = mismatches.get(r["method"], 0) if r["dataset"] == "overall" else None
     write_jsonl(out_dir / "results.jsonl", rows)
     report = markdown_report(rows) + cost_table(rows) + _mismatch_note(mismatches, cfg)
+    if by_category.datasets():
+        category_rows = records(by_category, fields)
+        write_jsonl(out_dir / "results_by_category.jsonl", category_rows)
+        report += category_report(category_rows)
     if unavailable:
         report += "\nSkipped evaluation sets (not available here): " + ", ".join(unavailable) + "\n"
     with atomic_path(out_dir / "results.md") as tmp:
@@ -197,6 +194,47 @@ def evaluate(cfg: EvalConfig, resolved: dict[str, Any] | None = None) -> list[di
     print(report)
     print(f"results: {out_dir / 'results.jsonl'}, {out_dir / 'results.md'}, {out_dir / 'acceptance_at.png'}")
     return rows
+
+
+def generate_turns(
+    dec: SpeculativeDecoder, prompt: EvalPrompt, tokenizer, cfg: EvalConfig, seed: int
+) -> list[Generation]:
+    """Every turn of `prompt` with one decoder: the first, then each follow-up asked after this decoder's
+    own (decoded) answer to the previous turn."""
+    gens: list[Generation] = []
+    answers: list[str] = []
+    for turn in range(1 + len(prompt.followups)):
+        ids = turn_ids(prompt, answers, tokenizer)[-cfg.max_prompt_tokens :]
+        gens.append(dec.generate(ids, seed=seed + turn * TURN_SEED_STRIDE))
+        answers.append(tokenizer.decode(gens[-1].tokens, skip_special_tokens=True))
+    return gens
+
+
+def decode_sets(
+    sets: list[EvalSet], runs: list[tuple[str, SpeculativeDecoder]], tokenizer, cfg: EvalConfig
+) -> tuple[Accumulator, Accumulator, dict[str, int]]:
+    """Every (prompt, run): counts per (dataset, method), per ("<dataset>/<category>", method) for
+    prompts with a category, and the greedy mismatches per method (turn by turn)."""
+    acc, by_category, mismatches = Accumulator(), Accumulator(), {}
+    bar = tqdm(total=sum(len(s) for s in sets) * len(runs), desc="evaluate", unit="gen")
+    for s in sets:
+        for i, prompt in enumerate(s.prompts):
+            reference = None
+            for label, dec in runs:
+                bar.set_postfix_str(f"{prompt.dataset} {label}")
+                gens = generate_turns(dec, prompt, tokenizer, cfg, seed=cfg.seed * 100_003 + i)
+                for g in gens:
+                    record(acc, prompt.dataset, label, g)
+                    if prompt.category is not None:
+                        record(by_category, f"{prompt.dataset}/{prompt.category}", label, g)
+                tokens = [g.tokens for g in gens]
+                if label == AUTOREGRESSIVE:
+                    reference = tokens
+                elif cfg.temperature == 0 and reference is not None and tokens != reference:
+                    mismatches[label] = mismatches.get(label, 0) + 1
+                bar.update()
+    bar.close()
+    return acc, by_category, mismatches
 
 
 def _mismatch_note(mismatches: dict[str, int], cfg: EvalConfig) -> str:
