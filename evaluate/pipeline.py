@@ -78,7 +78,9 @@ def train_stage(drafter: str, extra: list[str]) -> Path:
     resume = ["trainer.resume=latest"] if any(run_dir.glob("step_*")) else []
     cmd = [sys.executable, "-m", "specblock.train", *overrides, *resume]
     print(f"[run] {drafter}: {' '.join(cmd[1:])}", flush=True)
-    subprocess.run(cmd, check=True)
+    done = subprocess.run(cmd)
+    if done.returncode != 0:  # the training process has printed its own error
+        raise SystemExit(f"[run] training {drafter} failed (exit status {done.returncode}); see above")
     return export
 
 
