@@ -61,7 +61,9 @@ class EvalSetConfig:
     """Which evaluation set, read from where, and how many of its prompts."""
 
     name: str = "gsm8k"  # a key of EVAL_SETS: gsm8k humaneval mgsm lm1b alpaca mt_bench spec_bench custom
-    local_root: str | None = None  # folder laid out like shared/datasets; None: the hub (HumanEval: package)
+    local_root: str | None = (
+        None  # <root>/<set>/<file> as README "Evaluation data"; None: hub (HumanEval: package)
+    )
     languages: list[str] = field(default_factory=lambda: ["en"])  # MGSM only; ["all"]: every one found
     limit: int | None = 20  # prompts kept (per language for MGSM); None keeps all
     seed: int = 0  # fixes which `limit` rows are kept
@@ -216,7 +218,7 @@ def _local_path(spec: EvalSetSpec, cfg: EvalSetConfig, language: str | None) -> 
         path = Path(cfg.local_root) / spec.local_file.format(language=language)
         if not path.is_file():
             raise FileNotFoundError(
-                f"{path} not found: local_root={cfg.local_root!r} must be laid out like shared/datasets "
+                f"{path} not found: local_root={cfg.local_root!r} must be laid out as README 'Evaluation data' says "
                 f"(expected <local_root>/{spec.local_file})"
             )
         return path
@@ -251,8 +253,8 @@ def _hub_rows(hub: HubSpec, language: str | None) -> tuple[str, Iterable[tuple[i
     except Exception as err:  # any failure of the hub path gets the one fix that works offline
         raise RuntimeError(
             f"could not load {hub.path} (config {config}, split {hub.split}) from the Hugging Face hub: "
-            f"{type(err).__name__}: {err}. Without hub access, set local_root to a folder laid out like "
-            "shared/datasets (e.g. local_root=../shared/datasets)."
+            f"{type(err).__name__}: {err}. Without hub access, set local_root to a folder laid out as "
+            "README 'Evaluation data' says (local_root=DIR or SPECBLOCK_DATASETS=DIR)."
         ) from err
     source = {"hub": hub.path, "config": config, "split": hub.split, "revision": hub.revision or "main"}
     return f"hub:{hub.path}/{config or 'default'}/{hub.split}", enumerate(ds), source

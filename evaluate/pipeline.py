@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
         "--train", nargs="*", default=[], help="extra training overrides, e.g. trainer.max_steps=60"
     )
     p.add_argument(
-        "--local-root", default="auto", help="evaluation files (auto: ../shared/datasets if present)"
+        "--local-root", default="auto", help="evaluation files (auto: $SPECBLOCK_DATASETS when set)"
     )
     args = p.parse_args(argv)
     start = time.perf_counter()

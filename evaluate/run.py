@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,8 @@ from .drafting import TreeConfig
 from .metrics import AUTOREGRESSIVE, Accumulator
 from .report import category_report, cost_table, markdown_report, plot_acceptance_at, records, write_jsonl
 
-AUTO_ROOT = "../shared/datasets"
+# local_root=auto reads the evaluation files from the folder this variable names (README "Evaluation data").
+DATASETS_ENV = "SPECBLOCK_DATASETS"
 SEPARATOR = ":"  # method labels: "<drafter>:<method>", e.g. "specblock:tree"
 # Seed offset of turn k of a prompt: a large prime, so that no turn of one prompt reuses the seed of
 # another prompt's first turn (prompt i's first turn keeps seed * 100_003 + i, as before turns existed).
@@ -71,10 +73,14 @@ def load_drafters(cfg: EvalConfig, target_vocab: int) -> dict[str, tuple[torch.n
 
 
 def local_root(cfg: EvalConfig) -> str | None:
-    """`auto`: the reference datasets folder next to the repository (../shared/datasets) if it exists."""
-    if cfg.local_root == "auto":
-        return AUTO_ROOT if Path(AUTO_ROOT).is_dir() else None
-    return cfg.local_root
+    """`auto`: the folder named by $SPECBLOCK_DATASETS when set (it must exist), else None (the hub and
+    packages)."""
+    if cfg.local_root != "auto":
+        return cfg.local_root
+    root = os.environ.get(DATASETS_ENV)
+    if root and not Path(root).is_dir():
+        raise FileNotFoundError(f"{DATASETS_ENV}={root!r} is not a folder")
+    return root or None
 
 
 def load_set(cfg: EvalConfig, name: str):

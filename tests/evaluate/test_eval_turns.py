@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from specblock.data.target import TINY_TARGET_DIR, TargetConfig, ensure_embedded_target, load_target
@@ -60,3 +61,14 @@ def test_second_turn_follows_each_decoders_own_answer_and_categories_are_reporte
     assert len(cats) == 2 and all(c.startswith("mt_bench/") for c in cats)
     report = (tmp_path / "eval" / "results.md").read_text()
     assert "## Per category" in report and all(f"| {c} |" in report for c in cats)
+
+
+def test_local_root_auto_reads_the_environment_variable(tmp_path, monkeypatch):
+    monkeypatch.delenv(run_mod.DATASETS_ENV, raising=False)
+    assert run_mod.local_root(EvalConfig()) is None  # auto without the variable: hub and packages
+    monkeypatch.setenv(run_mod.DATASETS_ENV, str(tmp_path))
+    assert run_mod.local_root(EvalConfig()) == str(tmp_path)
+    assert run_mod.local_root(EvalConfig(local_root="elsewhere")) == "elsewhere"
+    monkeypatch.setenv(run_mod.DATASETS_ENV, str(tmp_path / "missing"))
+    with pytest.raises(FileNotFoundError, match="SPECBLOCK_DATASETS"):
+        run_mod.local_root(EvalConfig())
