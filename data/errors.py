@@ -87,4 +87,5 @@ def exit_on_user_error(fn: Callable[P, R]) -> Callable[P, R]:
             print(f"error: {err}\n(set HYDRA_FULL_ERROR=1 for the stack trace)", file=sys.stderr)
             raise SystemExit(1) from None
 
+    wrapped.reports_user_errors = True  # type: ignore[attr-defined]  # tests check every entry point
     return wrapped

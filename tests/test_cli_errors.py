@@ -1,15 +1,17 @@
 """A user's mistake in a CLI entry point prints one clear line and exits non-zero, without a stack trace;
-HYDRA_FULL_ERROR=1 still shows the trace."""
+HYDRA_FULL_ERROR=1 still shows the trace. Two real subprocesses (Hydra's own error handling is part of
+what is tested); the rest in-process."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
 
 import pytest
 
-from specblock.data.target import TINY_TARGET_DIR, ensure_embedded_target
+from specblock.data.errors import BadInputError, exit_on_user_error
 
 
 def run(*args: str, full_error: bool = False) -> subprocess.CompletedProcess:
@@ -18,34 +20,65 @@ def run(*args: str, full_error: bool = False) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, env=env, timeout=300)
 
 
+def test_an_unknown_method_is_one_line_and_hydra_full_error_shows_the_trace():
+    done = run("specblock.evaluate", "methods=[bogus]")
+    assert done.returncode == 1 and done.stderr.startswith("error: method 'bogus' is not one of"), done.stderr
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 2
+    full = run("specblock.evaluate", "methods=[bogus]", full_error=True)
+    assert full.returncode != 0 and "Traceback" in full.stderr and "ValueError: method 'bogus'" in full.stderr
+
+
 @pytest.mark.parametrize(
-    "args, message",
+    "module", ["specblock.data.__main__", "specblock.train.__main__", "specblock.evaluate.__main__"]
+)
+def test_every_hydra_entry_point_reports_user_errors(module):
+    main = importlib.import_module(module).main
+    assert getattr(main.__wrapped__, "reports_user_errors", False)  # hydra.main(exit_on_user_error(main))
+
+
+@pytest.mark.parametrize(
+    "err",
     [
-        (("specblock.evaluate", "methods=[bogus]"), "error: method 'bogus' is not one of"),
-        (("specblock.train", "drafter.name=nope"), "error: drafter.name='nope' is not one of"),
-        (("specblock.data", "data.max_length=2"), "error: prepare needs max_length >= 8"),
+        BadInputError("prompts.jsonl", 3, "turns", "missing field"),
+        FileNotFoundError("drafters.eagle3: no exported drafter in runs/x"),
+        ValueError("drafter.name='nope' is not one of ['eagle3', 'specblock']"),
     ],
 )
-def test_a_bad_config_value_is_one_line_without_a_trace(args, message):
-    done = run(*args)
-    assert done.returncode != 0 and done.stderr.startswith(message), done.stderr
-    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 2
+def test_user_errors_exit_with_one_line(err, capsys, monkeypatch):
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+
+    def fails():
+        raise err
+
+    with pytest.raises(SystemExit) as exit_:
+        exit_on_user_error(fails)()
+    assert exit_.value.code == 1 and capsys.readouterr().err.splitlines()[0] == f"error: {err}"
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    with pytest.raises(type(err)):
+        exit_on_user_error(fails)()
 
 
-def test_hydra_full_error_still_shows_the_trace():
-    done = run("specblock.evaluate", "methods=[bogus]", full_error=True)
-    assert done.returncode != 0 and "Traceback" in done.stderr and "ValueError: method 'bogus'" in done.stderr
+def test_a_bug_is_not_hidden():
+    def bug():
+        raise ZeroDivisionError("a bug")
+
+    with pytest.raises(ZeroDivisionError):
+        exit_on_user_error(bug)()
 
 
-def test_a_missing_drafter_folder_is_named(tmp_path):
-    ensure_embedded_target(TINY_TARGET_DIR)
-    done = run(
-        "specblock.evaluate", f"target.name_or_path={TINY_TARGET_DIR}", f"drafters.eagle3={tmp_path / 'none'}",
-        "~drafters.specblock", "methods=[chain-token]", "datasets=[humaneval]", "local_root=null",
-        f"output_dir={tmp_path / 'eval'}",
+def test_a_missing_drafter_folder_is_named(tmp_path, capsys, monkeypatch):
+    from specblock.data.target import TINY_TARGET_DIR, TargetConfig
+    from specblock.evaluate.config import EvalConfig
+    from specblock.evaluate.run import evaluate
+
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    cfg = EvalConfig(
+        output_dir=str(tmp_path / "eval"), target=TargetConfig(name_or_path=TINY_TARGET_DIR, dtype="float32"),
+        drafters={"eagle3": str(tmp_path / "none")}, methods=["chain-token"], datasets=["humaneval"],
     )  # fmt: skip
-    assert done.returncode != 0 and "Traceback" not in done.stderr
-    assert f"error: drafters.eagle3: no exported drafter in {tmp_path / 'none'}" in done.stderr
+    with pytest.raises(SystemExit):
+        exit_on_user_error(evaluate)(cfg)
+    assert f"error: drafters.eagle3: no exported drafter in {tmp_path / 'none'}" in capsys.readouterr().err
 
 
 def test_specblock_run_reports_a_mistake_and_a_failed_stage(monkeypatch, capsys, tmp_path):
