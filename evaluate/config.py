@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from hydra.core.config_store import ConfigStore
 
+from specblock.data.errors import ON_BAD_ROW
 from specblock.data.evalsets import EVAL_SETS
 from specblock.data.question_sets import CustomSetConfig
 from specblock.data.target import TargetConfig
@@ -90,6 +91,7 @@ class EvalConfig:
     datasets: list[str] = field(default_factory=lambda: ["gsm8k", "humaneval", "mgsm", "lm1b", "alpaca"])
     local_root: str | None = "auto"  # auto: $SPECBLOCK_DATASETS when set, else None: the hub / packages
     on_unavailable: str = "skip"  # a set that cannot be loaded (offline hub): skip with a warning | error
+    on_bad_row: str = "error"  # a malformed row: one error naming file, row and field | skip: count it
     mgsm_languages: list[str] = field(default_factory=lambda: ["en"])
     mt_bench_turns: int = 1  # mt_bench / spec_bench: 2 asks the second turn after the model's own answer
     hub_ids: dict[str, str] = field(default_factory=dict)  # set name -> hub dataset id (mt_bench, spec_bench)
@@ -121,6 +123,8 @@ class EvalConfig:
             raise ValueError(f"mt_bench_turns must be 1 or 2, got {self.mt_bench_turns}")
         if self.limit < 1 or self.max_new_tokens < 1 or self.max_prompt_tokens < 1:
             raise ValueError("limit, max_new_tokens and max_prompt_tokens must be >= 1")
+        if self.on_bad_row not in ON_BAD_ROW:
+            raise ValueError(f"on_bad_row={self.on_bad_row!r} is not one of {ON_BAD_ROW}")
         if self.on_unavailable not in ("skip", "error"):
             raise ValueError(f"on_unavailable={self.on_unavailable!r} is not one of skip, error")
         if self.logger not in ("none", "wandb"):

@@ -92,7 +92,7 @@ def load_set(cfg: EvalConfig, name: str):
         languages=cfg.mgsm_languages,
         limit=cfg.limit,
         seed=cfg.seed,
-        on_bad_row="skip",
+        on_bad_row=cfg.on_bad_row,
         mt_bench_turns=cfg.mt_bench_turns,
         hub_id=cfg.hub_ids.get(name),
         custom=cfg.custom,

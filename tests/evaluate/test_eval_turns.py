@@ -72,3 +72,17 @@ def test_local_root_auto_reads_the_environment_variable(tmp_path, monkeypatch):
     monkeypatch.setenv(run_mod.DATASETS_ENV, str(tmp_path / "missing"))
     with pytest.raises(FileNotFoundError, match="SPECBLOCK_DATASETS"):
         run_mod.local_root(EvalConfig())
+
+
+def test_a_bad_row_in_an_evaluation_set_is_one_named_error_unless_skipped(tmp_path):
+    from specblock.data.errors import BadInputError
+    from specblock.data.question_sets import CustomSetConfig
+
+    path = tmp_path / "mine.jsonl"
+    path.write_text('{"prompt": "Hello?"}\n{"prompt": 42}\n')
+    cfg = EvalConfig(datasets=["custom"], custom=CustomSetConfig(path=str(path)), local_root=None)
+    with pytest.raises(BadInputError, match=r"mine.jsonl, row 1, field 'prompt'"):
+        run_mod.load_set(cfg, "custom")
+    cfg.on_bad_row = "skip"
+    es = run_mod.load_set(cfg, "custom")
+    assert len(es) == 1 and es.policy.total_skipped == 1
