@@ -42,7 +42,6 @@ from safetensors.torch import save_file
 from transformers import PretrainedConfig
 
 from specblock.data.io import atomic_path
-from specblock.data.target import default_feature_layers
 
 from .modeling.common import drafter_layer_config
 
@@ -75,6 +74,8 @@ def check_exportable(module: torch.nn.Module, target_config: PretrainedConfig, l
         )
     # vLLM/SGLang capture the input of decoder layer i (HF hidden_states[i]) for i in [0, N); SGLang's
     # config holds i - 1, so hidden_states[0] (the embedding) cannot be named there, nor N (final norm).
+    if len(set(layers)) != len(layers):  # the engines capture a layer once: 2 features for 3H of fc
+        raise ServingExportError(f"feature layers {layers} repeat a layer; the engines capture each one once")
     bad = [i for i in layers if not 1 <= i < n]
     if bad:
         raise ServingExportError(
@@ -134,26 +135,35 @@ def native_config(module: torch.nn.Module, target_config: PretrainedConfig, laye
     return config | aux_layer_keys(target_config, layers)
 
 
+def engine_order(layers: list[int]) -> list[int]:
+    """The engines concatenate the captured states in layer order (they append while looping over the
+    decoder layers), whatever order the config lists: our feature block j sits at position
+    engine_order(layers).index(j) there."""
+    return sorted(range(len(layers)), key=lambda j: layers[j])
+
+
 def aux_layer_keys(target_config: PretrainedConfig, layers: list[int]) -> dict[str, Any]:
-    """The feature-layer keys, only when they differ from the engines' default (2, N//2, N-3).
-    vLLM reads the top-level `eagle_aux_hidden_state_layer_ids` as hidden_states indices (the input of
-    decoder layer i); SGLang reads `eagle_config.eagle_aux_hidden_state_layer_ids` and captures id + 1,
-    so it gets our indices minus one."""
+    """The feature-layer keys (ascending), only when they differ from the engines' default
+    [2, N//2, N-3]. vLLM reads the top-level `eagle_aux_hidden_state_layer_ids` as hidden_states indices
+    (the input of decoder layer i); SGLang reads `eagle_config.eagle_aux_hidden_state_layer_ids` and
+    captures id + 1, so it gets our indices minus one."""
     n = target_config.get_text_config().num_hidden_layers
-    if list(layers) == default_feature_layers(n):
+    ascending = sorted(layers)
+    if ascending == [2, n // 2, n - 3]:
         return {}
     return {
-        "eagle_aux_hidden_state_layer_ids": list(layers),
+        "eagle_aux_hidden_state_layer_ids": ascending,
         "eagle_config": {
             "use_aux_hidden_state": True,
-            "eagle_aux_hidden_state_layer_ids": [i - 1 for i in layers],
+            "eagle_aux_hidden_state_layer_ids": [i - 1 for i in ascending],
         },
     }
 
 
-def engine_state(module: torch.nn.Module, layer_prefix: str) -> dict[str, torch.Tensor]:
-    """Our state dict in the engines' names: midlayer.* -> `layer_prefix`*, fc/norm/lm_head as they are
-    (bf16), d2t as offsets (int64), t2d (bool [V]); embed_tokens left out (the engines share the target's)."""
+def engine_state(module: torch.nn.Module, layer_prefix: str, layers: list[int]) -> dict[str, torch.Tensor]:
+    """Our state dict in the engines' names: midlayer.* -> `layer_prefix`*, fc (its input blocks put in
+    ascending layer order), norm and lm_head, all bf16; d2t as offsets (int64), t2d (bool [V]);
+    embed_tokens left out (the engines share the target's)."""
     state: dict[str, torch.Tensor] = {}
     for name, tensor in module.state_dict().items():
         if name.startswith("embed_tokens.") or name in ("d2t", "t2d"):
@@ -162,6 +172,8 @@ def engine_state(module: torch.nn.Module, layer_prefix: str) -> dict[str, torch.
             raise ServingExportError(f"parameter {name!r} has no place in the engines' EAGLE-3 layout")
         key = layer_prefix + name.removeprefix("midlayer.") if name.startswith("midlayer.") else name
         state[key] = tensor.detach().to("cpu", ENGINE_DTYPE).contiguous()
+    fc = state["fc.weight"]  # [H, F*H], input blocks in our feature order
+    state["fc.weight"] = fc.view(fc.shape[0], len(layers), -1)[:, engine_order(layers)].reshape(fc.shape)
     d2t = module.d2t.detach().cpu().long()
     state["d2t"] = (d2t - torch.arange(d2t.numel())).contiguous()  # offsets: target_id(i) - i
     state["t2d"] = module.t2d.detach().cpu().bool().contiguous()
@@ -222,12 +234,14 @@ def export_for_engines(
     spec = drafter_dir.with_name(drafter_dir.name + "-speculators")
     return [
         _write(
-            native, native_config(module, target_config, feature_layers), engine_state(module, "midlayer.")
+            native,
+            native_config(module, target_config, feature_layers),
+            engine_state(module, "midlayer.", feature_layers),
         ),
         _write(
             spec,
             speculators_config(module, target_config, feature_layers, verifier),
-            engine_state(module, "layers.0."),
+            engine_state(module, "layers.0.", feature_layers),
         ),
     ]
 

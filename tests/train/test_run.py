@@ -129,6 +129,8 @@ def test_train_export_reload_and_exact_resume(make_cfg, monkeypatch):
 @pytest.mark.parametrize("name,features", [("eagle3", "online"), ("specblock", "offline")])
 def test_baseline_and_offline_features_run_the_same_loop(make_cfg, name, features):
     cfg = make_cfg(name=name, out=f"{name}-{features}", features=features, max_steps=2)
+    if name == "eagle3":  # distinct layers (the 4-layer default [2, 2, 1] repeats one), unsorted
+        cfg.data.target.feature_layers = [3, 1, 2]
     metrics = run_mod.train(cfg)
     assert metrics["step"] == 2 and torch.isfinite(torch.tensor(metrics["train/loss"]))
     # only EAGLE-3 has a serving-engine layout (tests/train/test_serving.py checks its contents)

@@ -129,7 +129,7 @@ def ours_in_target_vocab(module, draft_logits):
 # ---------------------------------------------------------------- tests
 
 
-@pytest.mark.parametrize("layers", [[2, 4, 5], [1, 3, 7]])
+@pytest.mark.parametrize("layers", [[2, 4, 5], [1, 3, 7], [7, 1, 3]])  # default, custom, unsorted
 @pytest.mark.parametrize("flavour", ["vllm", "speculators"])
 def test_engine_reader_reproduces_our_logits(tmp_path, layers, flavour):
     target_config = tiny_target_config()
@@ -150,7 +150,10 @@ def test_engine_reader_reproduces_our_logits(tmp_path, layers, flavour):
         ours, hidden, past = module.extend(features[None], tokens[None], position=0)
         nxt = torch.tensor([int(module.d2t[ours[0, -1].argmax()])])
         ours2, _, _ = module.draft_step(hidden[:, -1], nxt, past, position=T, inherited=True)
-    theirs, prenorm, cache = engine_step(cfg, w, features, tokens, torch.arange(T))
+    # the engines concatenate the captured states in ascending layer order
+    order = sorted(range(3), key=lambda j: layers[j])
+    engine_features = features.view(T, 3, H)[:, order].reshape(T, 3 * H)
+    theirs, prenorm, cache = engine_step(cfg, w, engine_features, tokens, torch.arange(T))
     theirs2, _, _ = engine_step(cfg, w, prenorm[-1:], nxt, torch.tensor([T]), cache)
     torch.testing.assert_close(theirs, ours_in_target_vocab(module, ours[0]), atol=2e-4, rtol=1e-4)
     torch.testing.assert_close(theirs2, ours_in_target_vocab(module, ours2), atol=2e-4, rtol=1e-4)
@@ -187,7 +190,7 @@ def test_feature_layer_keys_follow_each_engine_convention(tmp_path):
     target_config = tiny_target_config()
     module, _ = make_drafter(target_config)
     native, spec = export_for_engines(
-        module, tmp_path / "d", target_config=target_config, feature_layers=[1, 3, 7], verifier="x"
+        module, tmp_path / "d", target_config=target_config, feature_layers=[7, 1, 3], verifier="x"
     )
     cfg = json.loads((native / "config.json").read_text())
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 3, 7]  # vLLM: hidden_states indices
@@ -196,7 +199,8 @@ def test_feature_layer_keys_follow_each_engine_convention(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "layers, message", [([2, 4], "exactly 3"), ([0, 4, 5], "not in \\[1, 8\\)"), ([2, 4, 8], "not in")]
+    "layers, message",
+    [([2, 4], "exactly 3"), ([0, 4, 5], "not in \\[1, 8\\)"), ([2, 4, 8], "not in"), ([2, 2, 1], "repeat")],
 )
 def test_refuses_what_the_engines_cannot_load(tmp_path, layers, message):
     target_config = tiny_target_config()
