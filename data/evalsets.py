@@ -63,9 +63,7 @@ class EvalSetConfig:
     """Which evaluation set, read from where, and how many of its prompts."""
 
     name: str = "gsm8k"  # a key of EVAL_SETS: gsm8k humaneval mgsm lm1b alpaca mt_bench spec_bench custom
-    local_root: str | None = (
-        None  # <root>/<set>/<file> as README "Evaluation data"; None: hub (HumanEval: package)
-    )
+    local_root: str | None = None  # README "Evaluation data" layout; None: the hub (HumanEval: package)
     languages: list[str] = field(default_factory=lambda: ["en"])  # MGSM only; ["all"]: every one found
     limit: int | None = 20  # prompts kept (per language for MGSM); None keeps all
     seed: int = 0  # fixes which `limit` rows are kept
