@@ -14,17 +14,19 @@ import pytest
 from specblock.data.errors import BadInputError, exit_on_user_error
 
 
-def run(*args: str, full_error: bool = False) -> subprocess.CompletedProcess:
+def run(*args: str, cwd, full_error: bool = False) -> subprocess.CompletedProcess:
+    """`python -m ARGS` in `cwd` (Hydra creates its run folder there, not in the repository)."""
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     env |= {"HF_HUB_OFFLINE": "1"} | ({"HYDRA_FULL_ERROR": "1"} if full_error else {})
-    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, env=env, timeout=300)
+    cmd = [sys.executable, "-m", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=cwd)
 
 
-def test_an_unknown_method_is_one_line_and_hydra_full_error_shows_the_trace():
-    done = run("specblock.evaluate", "methods=[bogus]")
+def test_an_unknown_method_is_one_line_and_hydra_full_error_shows_the_trace(tmp_path):
+    done = run("specblock.evaluate", "methods=[bogus]", cwd=tmp_path)
     assert done.returncode == 1 and done.stderr.startswith("error: method 'bogus' is not one of"), done.stderr
     assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 2
-    full = run("specblock.evaluate", "methods=[bogus]", full_error=True)
+    full = run("specblock.evaluate", "methods=[bogus]", cwd=tmp_path, full_error=True)
     assert full.returncode != 0 and "Traceback" in full.stderr and "ValueError: method 'bogus'" in full.stderr
 
 
