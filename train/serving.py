@@ -72,10 +72,10 @@ def check_exportable(module: torch.nn.Module, target_config: PretrainedConfig, l
             f"serving engines read exactly {ENGINE_FEATURE_LAYERS} target feature layers; this drafter "
             f"reads {len(layers)} ({layers})"
         )
-    # vLLM/SGLang capture the input of decoder layer i (HF hidden_states[i]) for i in [0, N); SGLang's
-    # config holds i - 1, so hidden_states[0] (the embedding) cannot be named there, nor N (final norm).
     if len(set(layers)) != len(layers):  # the engines capture a layer once: 2 features for 3H of fc
         raise ServingExportError(f"feature layers {layers} repeat a layer; the engines capture each one once")
+    # vLLM/SGLang capture the input of decoder layer i (HF hidden_states[i]) for i in [0, N); SGLang's
+    # config holds i - 1, so hidden_states[0] (the embedding) cannot be named there, nor N (final norm).
     bad = [i for i in layers if not 1 <= i < n]
     if bad:
         raise ServingExportError(
