@@ -3,6 +3,8 @@
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from .errors import exit_on_user_error
+
 from .config import PrepareAppConfig, register_configs
 from .prepare import prepare
 
@@ -10,6 +12,7 @@ register_configs()
 
 
 @hydra.main(config_path="pkg://specblock.configs", config_name="prepare", version_base=None)
+@exit_on_user_error
 def main(cfg: DictConfig) -> None:
     config: PrepareAppConfig = OmegaConf.to_object(cfg)
     prepare(config.data)

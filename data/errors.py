@@ -1,9 +1,19 @@
-"""Bad input: one clear error naming file, row and field, or rows skipped and counted (on_bad_row)."""
+"""Bad input: one clear error naming file, row and field, or rows skipped and counted (on_bad_row); and
+how the CLI entry points report a user's mistake (one line, no stack trace)."""
 
 from __future__ import annotations
 
+import functools
+import os
+import sys
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Callable, ParamSpec, TypeVar
+
+from omegaconf.errors import OmegaConfBaseException
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 ON_BAD_ROW = ("error", "skip")
 
@@ -50,3 +60,32 @@ class RowPolicy:
             return "no bad rows"
         kinds = ", ".join(f"{n} x {problem}" for problem, n in self.skipped.most_common())
         return f"skipped {self.total_skipped} bad rows ({kinds}); e.g. {self.examples[0]}"
+
+
+# What a user's mistake raises: bad input files, missing or existing paths, invalid config values (the
+# dataclasses' __post_init__ checks raise ValueError; OmegaConf raises its own errors for types and `???`).
+USER_ERRORS: tuple[type[BaseException], ...] = (
+    ValueError,
+    FileNotFoundError,
+    FileExistsError,
+    NotADirectoryError,
+    OmegaConfBaseException,
+)
+
+
+def exit_on_user_error(fn: Callable[P, R]) -> Callable[P, R]:
+    """For CLI entry points: a user's mistake (USER_ERRORS) prints one line `error: ...` on stderr and
+    exits with status 1, without a stack trace; HYDRA_FULL_ERROR=1 lets it through with the full trace."""
+
+    @functools.wraps(fn)
+    def wrapped(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return fn(*args, **kwargs)
+        except USER_ERRORS as err:
+            if os.environ.get("HYDRA_FULL_ERROR") == "1":
+                raise
+            print(f"error: {err}\n(set HYDRA_FULL_ERROR=1 for the stack trace)", file=sys.stderr)
+            raise SystemExit(1) from None
+
+    wrapped.reports_user_errors = True  # type: ignore[attr-defined]  # tests check every entry point
+    return wrapped

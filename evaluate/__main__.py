@@ -8,6 +8,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from specblock.data.errors import exit_on_user_error
+
 from .config import EvalConfig, register_configs
 from .run import evaluate
 
@@ -15,6 +17,7 @@ register_configs()
 
 
 @hydra.main(config_path="pkg://specblock.configs", config_name="eval", version_base=None)
+@exit_on_user_error
 def main(cfg: DictConfig) -> None:
     hc = HydraConfig.get()
     if hc.mode == RunMode.MULTIRUN:  # one folder per sweep job, not one shared output_dir

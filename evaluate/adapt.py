@@ -1,6 +1,6 @@
 """Cost-aware serving-time adaptation: the drafter learns from verifier feedback while it serves.
 
-SPECBLOCK.md 1.6: the authors' code keeps only hooks, so this is our design (README "Serving-time
+docs/specblock.md 1.6: the authors' code keeps only hooks, so this is our design (README "Serving-time
 adaptation" gives the rule and its parameters).
 
 Supervision, free of any extra target forward (`Feedback`): every target forward of the decoding loop

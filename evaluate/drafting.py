@@ -333,7 +333,7 @@ class TreeConfig:
     """budget: draft tokens kept (the root not counted); steps: block (SpecBlock) or step (EAGLE) rounds;
     beam: leaves expanded per round; topk: EAGLE children per node and SpecBlock slot-0 cap;
     topk_per_class: SpecBlock branching per predicted rank class (0 = stop the block there); default the
-    authors' release preset (2, 4, 6, 4) (SPECBLOCK.md 1.3), which never gives up a slot."""
+    authors' release preset (2, 4, 6, 4) (docs/specblock.md 1.3), which never gives up a slot."""
 
     budget: int = 32
     steps: int = 2
@@ -347,7 +347,7 @@ def _draft_logprobs(logits: Tensor) -> Tensor:
 
 
 def specblock_tree(root: Root, cfg: TreeConfig) -> DraftTree:
-    """The SpecBlock dynamic tree (SPECBLOCK.md 1.3-1.4): each block lays a greedy chain with per-slot
+    """The SpecBlock dynamic tree (docs/specblock.md 1.3-1.4): each block lays a greedy chain with per-slot
     alternatives (top-k by the Rank Head's class); the best `beam` pending leaves (alternatives, greedy
     nodes of branching slots, the chain's end) start new blocks from their slot's hidden state, for
     `steps` rounds; the tree is then pruned to `budget` nodes by cumulative draft log-prob."""

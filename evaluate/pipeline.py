@@ -79,7 +79,9 @@ def train_stage(drafter: str, extra: list[str]) -> Path:
     resume = ["trainer.resume=latest"] if any(run_dir.glob("step_*")) else []
     cmd = [sys.executable, "-m", "specblock.train", *overrides, *resume]
     print(f"[run] {drafter}: {' '.join(cmd[1:])}", flush=True)
-    subprocess.run(cmd, check=True)
+    done = subprocess.run(cmd)
+    if done.returncode != 0:  # the training process has printed its own error
+        raise SystemExit(f"[run] training {drafter} failed (exit status {done.returncode}); see above")
     return export
 
 
@@ -111,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
         "--train", nargs="*", default=[], help="extra training overrides, e.g. trainer.max_steps=60"
     )
     p.add_argument(
-        "--local-root", default="auto", help="evaluation files (auto: ../shared/datasets if present)"
+        "--local-root", default="auto", help="evaluation files (auto: $SPECBLOCK_DATASETS when set)"
     )
     args = p.parse_args(argv)
     start = time.perf_counter()

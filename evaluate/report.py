@@ -100,6 +100,18 @@ def markdown_report(rows: Iterable[Mapping[str, Any]]) -> str:
     )
 
 
+def category_report(rows: Iterable[Mapping[str, Any]]) -> str:
+    """Per-category tables ("<dataset>/<category>" x methods) of the sets that have categories
+    (MT-Bench, Spec-Bench, a custom set's category field); the all-categories rows are left out."""
+    rows = [r for r in rows if r["dataset"] != OVERALL]
+    return (
+        "\n## Per category\n\n### Block efficiency (tau)\n\n"
+        + block_efficiency_table(rows)
+        + "\n### Speedup over autoregressive\n\n"
+        + speedup_table(rows)
+    )
+
+
 def cost_table(rows: Iterable[Mapping[str, Any]]) -> str:
     """The OVERALL row of every method: tau, block efficiency, drafter calls and ms per emitted token,
     target forward, verification and other (overhead) ms per emitted token, tokens/s, speedup, and the

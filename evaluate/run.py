@@ -3,7 +3,10 @@
 `evaluate(cfg)` loads the target and every drafter (in the target's precision, `target.dtype`),
 generates for every (dataset, prompt, method, drafter) with the same seed per prompt (autoregressive and
 lookup once, without a drafter), sums counts per (dataset, method) and writes `results.jsonl`,
-`results.md` (datasets x methods) and `acceptance_at.png` under `cfg.output_dir`. At temperature 0
+`results.md` (datasets x methods) and `acceptance_at.png` under `cfg.output_dir`; sets with categories
+(MT-Bench, Spec-Bench, a custom set's category field) also get `results_by_category.jsonl` and a
+per-category table. A prompt with follow-up turns (mt_bench_turns=2) is decoded turn by turn: each
+follow-up is asked after the same decoder's own answer, and every turn counts. At temperature 0
 every scheme must reproduce the target's greedy output; the report counts, per method, generations that
 do not (`greedy_mismatches`: with a bf16 target, near-ties can flip between a tree forward and a
 one-token forward; the report gives the top-2 logit gap where they diverge; in float32 there are none).
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -20,7 +24,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from specblock.data.evalsets import EvalSetConfig, load_eval_set, prompt_ids
+from specblock.data.evalsets import EvalPrompt, EvalSet, EvalSetConfig, load_eval_set, turn_ids
 from specblock.data.io import atomic_path
 from specblock.data.target import FeatureTarget, ensure_embedded_target, load_target
 from specblock.train.export import load_drafter
@@ -30,10 +34,14 @@ from .config import EvalConfig, parse_method
 from .decode import DRAFTERLESS, DecodeConfig, Generation, SpeculativeDecoder
 from .drafting import TreeConfig
 from .metrics import AUTOREGRESSIVE, Accumulator
-from .report import cost_table, markdown_report, plot_acceptance_at, records, write_jsonl
+from .report import category_report, cost_table, markdown_report, plot_acceptance_at, records, write_jsonl
 
-AUTO_ROOT = "../shared/datasets"
+# local_root=auto reads the evaluation files from the folder this variable names (README "Evaluation data").
+DATASETS_ENV = "SPECBLOCK_DATASETS"
 SEPARATOR = ":"  # method labels: "<drafter>:<method>", e.g. "specblock:tree"
+# Seed offset of turn k of a prompt: a large prime, so that no turn of one prompt reuses the seed of
+# another prompt's first turn (prompt i's first turn keeps seed * 100_003 + i, as before turns existed).
+TURN_SEED_STRIDE = 1_000_003
 
 
 def eos_ids(tokenizer, model) -> list[int]:
@@ -68,10 +76,14 @@ def load_drafters(cfg: EvalConfig, target) -> dict[str, tuple[torch.nn.Module, d
 
 
 def local_root(cfg: EvalConfig) -> str | None:
-    """`auto`: the reference datasets folder next to the repository (../shared/datasets) if it exists."""
-    if cfg.local_root == "auto":
-        return AUTO_ROOT if Path(AUTO_ROOT).is_dir() else None
-    return cfg.local_root
+    """`auto`: the folder named by $SPECBLOCK_DATASETS when set (it must exist), else None (the hub and
+    packages)."""
+    if cfg.local_root != "auto":
+        return cfg.local_root
+    root = os.environ.get(DATASETS_ENV)
+    if root and not Path(root).is_dir():
+        raise FileNotFoundError(f"{DATASETS_ENV}={root!r} is not a folder")
+    return root or None
 
 
 def load_set(cfg: EvalConfig, name: str):
@@ -83,7 +95,10 @@ def load_set(cfg: EvalConfig, name: str):
         languages=cfg.mgsm_languages,
         limit=cfg.limit,
         seed=cfg.seed,
-        on_bad_row="skip",
+        on_bad_row=cfg.on_bad_row,
+        mt_bench_turns=cfg.mt_bench_turns,
+        hub_id=cfg.hub_ids.get(name),
+        custom=cfg.custom,
     )
     try:
         return load_eval_set(make(root))
@@ -164,24 +179,7 @@ def evaluate(cfg: EvalConfig, resolved: dict[str, Any] | None = None) -> list[di
             print(f"WARNING: skipping {d}: {err}")
     for s in sets:
         print(s.summary())
-    acc, mismatches, gaps = Accumulator(), {}, {}
-    total = sum(len(s) for s in sets) * len(runs)
-    bar = tqdm(total=total, desc="evaluate", unit="gen")
-    for s in sets:
-        for i, prompt in enumerate(s.prompts):
-            ids = prompt_ids(prompt, tokenizer)[-cfg.max_prompt_tokens :]
-            reference = None
-            for label, dec in runs:
-                bar.set_postfix_str(f"{prompt.dataset} {label}")
-                g = dec.generate(ids, seed=cfg.seed * 100_003 + i)
-                record(acc, prompt.dataset, label, g)
-                if label == AUTOREGRESSIVE:
-                    reference = g.tokens
-                elif cfg.temperature == 0 and reference is not None and g.tokens != reference:
-                    mismatches[label] = mismatches.get(label, 0) + 1
-                    gaps.setdefault(label, []).append(divergence_gap(model, ids, reference, g.tokens))
-                bar.update()
-    bar.close()
+    acc, by_category, mismatches, gaps = decode_sets(sets, runs, model, tokenizer, cfg)
     fields = {
         "K": cfg.num_drafts,
         "L": cfg.draft_length,
@@ -197,6 +195,10 @@ def evaluate(cfg: EvalConfig, resolved: dict[str, Any] | None = None) -> list[di
         r["greedy_mismatches"] = mismatches.get(r["method"], 0) if r["dataset"] == "overall" else None
     write_jsonl(out_dir / "results.jsonl", rows)
     report = markdown_report(rows) + cost_table(rows) + _mismatch_note(mismatches, gaps, cfg)
+    if by_category.datasets():
+        category_rows = records(by_category, fields)
+        write_jsonl(out_dir / "results_by_category.jsonl", category_rows)
+        report += category_report(category_rows)
     if unavailable:
         report += "\nSkipped evaluation sets (not available here): " + ", ".join(unavailable) + "\n"
     with atomic_path(out_dir / "results.md") as tmp:
@@ -220,6 +222,62 @@ def divergence_gap(model, prompt: list[int], reference: list[int], tokens: list[
         logits = model(torch.tensor([prompt + reference[:i]], device=model.device)).logits[0, -1]
     top = logits.float().topk(2).values
     return float(top[0] - top[1])
+
+
+def generate_turns(
+    dec: SpeculativeDecoder, prompt: EvalPrompt, tokenizer, cfg: EvalConfig, seed: int
+) -> list[Generation]:
+    """Every turn of `prompt` with one decoder: the first, then each follow-up asked after this decoder's
+    own (decoded) answer to the previous turn."""
+    gens: list[Generation] = []
+    answers: list[str] = []
+    for turn in range(1 + len(prompt.followups)):
+        ids = turn_ids(prompt, answers, tokenizer)[-cfg.max_prompt_tokens :]
+        gens.append(dec.generate(ids, seed=seed + turn * TURN_SEED_STRIDE))
+        answers.append(tokenizer.decode(gens[-1].tokens, skip_special_tokens=True))
+    return gens
+
+
+def decode_sets(
+    sets: list[EvalSet], runs: list[tuple[str, SpeculativeDecoder]], model, tokenizer, cfg: EvalConfig
+) -> tuple[Accumulator, Accumulator, dict[str, int], dict[str, list[float]]]:
+    """Every (prompt, run): counts per (dataset, method), per ("<dataset>/<category>", method) for
+    prompts with a category, the greedy mismatches per method (turn by turn) and, for each, the target's
+    top-2 logit gap where it first left the autoregressive tokens."""
+    acc, by_category, mismatches, gaps = Accumulator(), Accumulator(), {}, {}
+    bar = tqdm(total=sum(len(s) for s in sets) * len(runs), desc="evaluate", unit="gen")
+    for s in sets:
+        for i, prompt in enumerate(s.prompts):
+            reference = None
+            for label, dec in runs:
+                bar.set_postfix_str(f"{prompt.dataset} {label}")
+                gens = generate_turns(dec, prompt, tokenizer, cfg, seed=cfg.seed * 100_003 + i)
+                for g in gens:
+                    record(acc, prompt.dataset, label, g)
+                    if prompt.category is not None:
+                        record(by_category, f"{prompt.dataset}/{prompt.category}", label, g)
+                tokens = [g.tokens for g in gens]
+                if label == AUTOREGRESSIVE:
+                    reference = tokens
+                elif cfg.temperature == 0 and reference is not None and tokens != reference:
+                    mismatches[label] = mismatches.get(label, 0) + 1
+                    gaps.setdefault(label, []).append(
+                        first_gap(model, prompt, reference, tokens, tokenizer, cfg)
+                    )
+                bar.update()
+    bar.close()
+    return acc, by_category, mismatches, gaps
+
+
+def first_gap(
+    model, prompt: EvalPrompt, reference: list[list[int]], tokens: list[list[int]], tokenizer, cfg
+) -> float:
+    """divergence_gap at the first turn where `tokens` leaves `reference`, that turn asked after the
+    reference's own earlier answers."""
+    turn = next(k for k, (a, b) in enumerate(zip(reference, tokens)) if a != b)
+    answers = [tokenizer.decode(t, skip_special_tokens=True) for t in reference[:turn]]
+    ids = turn_ids(prompt, answers, tokenizer)[-cfg.max_prompt_tokens :]
+    return divergence_gap(model, ids, reference[turn], tokens[turn])
 
 
 def _mismatch_note(mismatches: dict[str, int], gaps: dict[str, list[float]], cfg: EvalConfig) -> str:

@@ -3,6 +3,8 @@
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from specblock.data.errors import exit_on_user_error
+
 from .config import TrainConfig, register_configs
 from .run import train
 
@@ -10,6 +12,7 @@ register_configs()
 
 
 @hydra.main(config_path="pkg://specblock.configs", config_name="train", version_base=None)
+@exit_on_user_error
 def main(cfg: DictConfig) -> None:
     config: TrainConfig = OmegaConf.to_object(cfg)
     train(config, OmegaConf.to_container(cfg, resolve=True))

@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, PretrainedConfig
 
+from specblock.data.errors import exit_on_user_error
 from specblock.data.io import atomic_path
 
 from .modeling import DRAFTER_CONFIGS, build_drafter
@@ -141,6 +142,7 @@ def rebuild_drafter(
     return module
 
 
+@exit_on_user_error
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run", required=True, help="a training run folder (holds config.yaml and step_XXXXXX/)")

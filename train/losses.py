@@ -1,4 +1,4 @@
-"""Drafter training losses and metrics: pure functions on tensors (SPECBLOCK.md 1.3 and 1.5).
+"""Drafter training losses and metrics: pure functions on tensors (docs/specblock.md 1.3 and 1.5).
 
 Shared shapes. Every drafter returns per-slot draft logits [B,S,K,V]: slot k at context position t
 predicts token t+2+k. The trainer passes the target's logits for the same tokens, restricted to the
@@ -26,7 +26,7 @@ from torch import Tensor
 # Rank buckets of the reference: class 0 = rank 1, 1 = ranks 2-4, 2 = ranks 5-10, 3 = rank > 10 (give up).
 RANK_BUCKETS = (1, 4, 10)
 # Top-k kept at a slot predicted in class c (0 = stop the block there): the reference's default
-# `RANK_SLOT_TOPK` and its release "Pareto" preset `slim_r2` (SPECBLOCK.md 1.3).
+# `RANK_SLOT_TOPK` and its release "Pareto" preset `slim_r2` (docs/specblock.md 1.3).
 DEFAULT_TOPK_PER_CLASS = (2, 4, 10, 0)
 RELEASE_TOPK_PER_CLASS = (2, 4, 6, 4)
 CURRICULUM_UNITS = ("steps", "epochs")
@@ -229,7 +229,7 @@ def distill_loss(
     kl [B,S,K], valid and prefix [B,S,K] bool -> (loss [], per_slot [K]).
     per_slot_k = (1-alpha) * mean of kl over valid entries + alpha * mean over prefix entries (each a
     ratio of sums over B,S; prefix None = the valid mean only); loss = sum_k decay**k * per_slot_k
-    (SPECBLOCK.md 1.5: total = sum_k w_k L_draft,k). alpha = 1 is the authors' chain-masked loss.
+    (docs/specblock.md 1.5: total = sum_k w_k L_draft,k). alpha = 1 is the authors' chain-masked loss.
     Blending the two means, not weighting entries 1 / (1-alpha) in one mean, keeps alpha effective on
     a slot with few prefix entries: a single weighted mean would normalise the (1-alpha) away there.
     """
@@ -356,7 +356,7 @@ def rank_chain_mask(pred: Tensor, classes: Tensor, valid: Tensor) -> Tensor:
 def rank_loss(
     rank_logits: Tensor, classes: Tensor, valid: Tensor, budget: int = 10
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Rank-head loss (SPECBLOCK.md 1.5, 4 parts) and rank accuracy.
+    """Rank-head loss (docs/specblock.md 1.5, 4 parts) and rank accuracy.
 
     rank_logits [B,S,K,C], classes [B,S,K] long (`rank_classes`), valid [B,S,K] bool ->
     (loss [] float32, metrics) with metrics rank_acc_sum/count [K] (per slot, over valid entries, no
@@ -461,7 +461,7 @@ def specblock_loss(
     step: int,
     epoch: float = 0.0,
 ) -> LossOutput:
-    """The SpecBlock training loss (SPECBLOCK.md 1.5); rank_logits None = EAGLE-3 style (no rank head).
+    """The SpecBlock training loss (docs/specblock.md 1.5); rank_logits None = EAGLE-3 style (no rank head).
 
     draft_logits [B,S,K,V]; teacher: logits [B,S,K,V] or TeacherLaw; valid [B,S,K] bool; rank_logits
     [B,S,K,C] or None.

@@ -24,6 +24,7 @@ from .checkpoint import list_checkpoints, read_model_state, resolve_resume, step
 from .config import TrainConfig
 from .export import export_drafter, rebuild_drafter
 from .modeling import build_drafter, build_vocab_map, count_tokens
+from .serving import SERVING_EXPORTS, ServingExportError
 from .strategies import STRATEGIES
 from .strategy import DrafterStrategy
 from .tracking import is_main, log0
@@ -140,7 +141,7 @@ def export_checkpoint(
     layers = cfg.data.target.feature_layers or default_feature_layers(target_config.num_hidden_layers)
     drafter_cfg = cfg.drafter.specific(num_feature_layers=len(layers))
     module = rebuild_drafter(cfg.drafter.name, drafter_cfg, target_config, read_model_state(step))
-    return export_drafter(
+    path = export_drafter(
         module,
         out,
         name=cfg.drafter.name,
@@ -151,6 +152,17 @@ def export_checkpoint(
         feature_layers=layers,
         card=card,
     )
+    serve = SERVING_EXPORTS.get(cfg.drafter.name)  # beside it: <out>-vllm, <out>-speculators
+    if serve is not None:
+        try:
+            verifier = cfg.data.target.name_or_path
+            for folder in serve(
+                module, path, target_config=target_config, feature_layers=layers, verifier=verifier
+            ):
+                log0(f"exported for serving engines: {folder}")
+        except ServingExportError as err:  # the project's own folder is written; only the engines' is not
+            log0(f"not exported for serving engines: {err}")
+    return path
 
 
 def export_from_checkpoint(run_dir: Path, step: str = "latest", out: str | None = None) -> Path:

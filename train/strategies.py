@@ -4,7 +4,7 @@ Both strategies distill the frozen target into the drafter with `losses.specbloc
 features and logits come either online (a forward of the frozen target inside the step) or offline
 (cached features + final hidden state; logits recomputed through a frozen copy of the LM head).
 
-SpecBlock adds the multi-block training-time test (SPECBLOCK.md 1.5): from `rank_start_step` on, after
+SpecBlock adds the multi-block training-time test (docs/specblock.md 1.5): from `rank_start_step` on, after
 each block a source slot m ~ U{0..K-1} is drawn and the next block starts from slot m's hidden state,
 with tokens and targets shifted by the cumulative offset. The draw is seeded by (seed, step), so a
 resumed run draws the same slots.

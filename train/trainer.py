@@ -33,7 +33,7 @@ from accelerate.utils import DistributedType, GradientAccumulationPlugin, InitPr
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
-from specblock.data.hardware import cpu_has_bf16_matmul
+from specblock.data.target import auto_dtype
 
 from .checkpoint import (
     EpochSampler,
@@ -113,7 +113,7 @@ def resolve_mixed_precision(mode: str) -> str:
         return mode
     if torch.cuda.is_available():
         return "bf16" if torch.cuda.is_bf16_supported() else "no"
-    return "bf16" if cpu_has_bf16_matmul() else "no"
+    return "bf16" if auto_dtype("cpu") == "bfloat16" else "no"
 
 
 def build_accelerator(cfg: TrainerConfig) -> Accelerator:

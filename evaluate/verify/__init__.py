@@ -1,7 +1,7 @@
 """Verifiers: pure tensor functions that accept a prefix of the draft(s) and emit one more token.
 
 `get_verifier(name)` returns a chain or multi-draft verifier by name (see `base.py` for the calling
-convention); `verify_tree` verifies a drafted token tree. VERIFIERS.md is the reference for the math.
+convention); `verify_tree` verifies a drafted token tree. docs/verifiers.md is the reference for the math.
 """
 
 from . import chain, greedy_block, multidraft  # noqa: F401  (registration)

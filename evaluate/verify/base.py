@@ -6,7 +6,7 @@ out = verifier(target_probs,   # [K, L+1, V]: target_probs[k, i] = q(. | context
                draft_tokens,   # [K, L] int64, drafts sampled i.i.d. from p
                generator=None) # torch.Generator: all randomness comes from it
 ```
-Notation follows VERIFIERS.md: q is the TARGET law, p the DRAFT law, tau the number of accepted draft
+Notation follows docs/verifiers.md: q is the TARGET law, p the DRAFT law, tau the number of accepted draft
 tokens (the correction/bonus token is not counted).
 """
 

@@ -35,7 +35,7 @@ def token_verify(
     *,
     sampler: Sampler | None = None,
 ) -> VerifyOutput:
-    """Token-wise speculative sampling (Leviathan et al. 2023; Chen et al. 2023), VERIFIERS.md s. 2.
+    """Token-wise speculative sampling (Leviathan et al. 2023; Chen et al. 2023), docs/verifiers.md s. 2.
 
     target_probs [1, L+1, V], draft_probs [1, L, V], draft_tokens [1, L].
     """
@@ -70,7 +70,7 @@ def block_verify(
     *,
     sampler: Sampler | None = None,
 ) -> VerifyOutput:
-    """Block verification (Sun, Mendlovic, Leviathan et al., ICLR 2025), VERIFIERS.md section 3.
+    """Block verification (Sun, Mendlovic, Leviathan et al., ICLR 2025), docs/verifiers.md section 3.
 
     target_probs [1, L+1, V], draft_probs [1, L, V], draft_tokens [1, L]. Optimal among
     iteration-independent single-draft verifiers; the correction comes from max(p_tau q - p, 0), NOT

@@ -8,7 +8,7 @@ gives, to float64 precision:
   continuation law where the verifier returns one (the losslessness check), and E[tau];
 - `decode_law`: the law of the first H tokens of whole decodes and the expected number of target calls
   needed to emit them, with continuations carried across iterations (what decides which verifier is
-  faster: first-iteration tau alone misleads for the greedy methods, VERIFIERS.md section 4).
+  faster: first-iteration tau alone misleads for the greedy methods, docs/verifiers.md section 4).
 Cost grows as (V^L)^K x outcomes: meant for V <= 6, L <= 3, K <= 3.
 """
 
@@ -25,7 +25,7 @@ from .base import Verifier
 from .sampling import ACC_DTYPE
 
 Prefix = tuple[int, ...]
-# Below this a branch's probability is treated as 0 (VERIFIERS.md section 10: prune below 1e-15).
+# Below this a branch's probability is treated as 0 (docs/verifiers.md section 10: prune below 1e-15).
 PRUNE = 1e-15
 
 

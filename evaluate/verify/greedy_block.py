@@ -1,6 +1,6 @@
 """Greedy block verification (GBV) and SpecTr-GBV, as recursive greedy block verification (RGBV).
 
-What is published and what is derived (VERIFIERS.md sections 4 and 7):
+What is published and what is derived (docs/verifiers.md sections 4 and 7):
 - [paper, abstract] SpecTr-GBV (Lin, Sheng, Cai, Zhou; arXiv 2604.25925) verifies K i.i.d. draft
   blocks against the target block as an optimal-transport problem, draft after draft, skipping the
   set H of already rejected sub-blocks, outputs the longest accepted sub-block plus a residual
@@ -88,7 +88,7 @@ def committed_reach(stages: tuple[Stage, ...] | list[Stage], x: tuple[int, ...] 
 
 
 class Coupling:
-    """The law T_j of the virtual target sample Y after the first j verified drafts (VERIFIERS.md 7.3),
+    """The law T_j of the virtual target sample Y after the first j verified drafts (docs/verifiers.md 7.3),
     row by row: law(j, y) = T_j(.|y) and joint(j, y) = T_j(y), for prefixes y from the block start.
 
     A row depends on its prefix only, so both are memoised per (j, y): drafts that share a prefix (row 0
@@ -244,7 +244,7 @@ class PathCoupling:
 
     def bring(self, k: int, stage: int, upto: int) -> None:
         """Give draft k's rows 0..upto-1 their laws after `stage` stages (a row's law after stage j + 1
-        depends on its law and joint after stage j, VERIFIERS.md 7.3)."""
+        depends on its law and joint after stage j, docs/verifiers.md 7.3)."""
         for j in range(stage):
             behind = [i for i in range(upto) if len(self.laws[self.row[k][i]]) == j + 1]
             if not behind:
@@ -322,7 +322,7 @@ def greedy_block_verify(
 
     First-iteration E[tau] = sum_t sum_{x^t} min(P, Q)(x^t), but the next iterations MUST verify against
     `out.continuation`, which covers the target badly: over whole decodes it often needs more target
-    calls than block verification (VERIFIERS.md section 4, caveat 2).
+    calls than block verification (docs/verifiers.md section 4, caveat 2).
     """
     check_inputs(target_probs, draft_probs, draft_tokens, single=True)
     return recursive_gbv(target_probs, draft_probs, draft_tokens, make_sampler(generator, sampler))

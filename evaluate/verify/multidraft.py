@@ -62,7 +62,7 @@ def kseq_rho(rows: Rows, y: Prefix, k: int) -> tuple[float, float]:
 
 
 def kseq_rule(rows: Rows, y: Prefix, candidates: list[int], s: Sampler):
-    """K-SEQ (Sun et al., NeurIPS 2023) at one node, VERIFIERS.md section 5."""
+    """K-SEQ (Sun et al., NeurIPS 2023) at one node, docs/verifiers.md section 5."""
     k = len(candidates)
     rho, beta = kseq_rho(rows, y, k)
     # accept X_j with probability min(1, q(X_j) / (rho p(X_j))), the first success wins
@@ -81,7 +81,7 @@ def kseq_rule(rows: Rows, y: Prefix, candidates: list[int], s: Sampler):
 
 
 def rrs_rule(rows: Rows, y: Prefix, candidates: list[int], s: Sampler):
-    """Recursive rejection sampling with replacement (SpecInfer; VERIFIERS.md section 6a).
+    """Recursive rejection sampling with replacement (SpecInfer; docs/verifiers.md section 6a).
 
     r starts at q; a rejection sets r <- (r - p)_+ normalised, i.e. lam <- lam + S(lam) (laws.py). A
     rejected token gets r(x) = 0, so a duplicate candidate is rejected too."""
@@ -102,7 +102,7 @@ def greedy_token(q: torch.Tensor) -> int:
 
 
 def greedy_rule(rows: Rows, y: Prefix, candidates: list[int], s: Sampler):
-    """Temperature 0 (VERIFIERS.md section 6d): descend iff a candidate is the target's argmax."""
+    """Temperature 0 (docs/verifiers.md section 6d): descend iff a candidate is the target's argmax."""
     best = greedy_token(rows.target_at(y))
     return (candidates.index(best), None) if best in candidates else (None, best)
 

@@ -110,7 +110,7 @@ def residual(weights: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
     """Guarded normalisation of a residual law.
 
     weights: [..., V] non-negative (e.g. max(q - p, 0)); fallback: [..., V], used where a row sums to
-    0. Such rows are reached with probability 0 (VERIFIERS.md section 10), so any law is fine there;
+    0. Such rows are reached with probability 0 (docs/verifiers.md section 10), so any law is fine there;
     the fallback only keeps the arithmetic finite.
     """
     total = weights.sum(-1, keepdim=True)
@@ -119,7 +119,7 @@ def residual(weights: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
 
 def backward_scan(sampler: Sampler, weight: Callable[[int], float], n: int) -> int:
     """tau = max{i in 1..n : eta_i < h_i}, else 0, scanning i = n..1 and computing h_i = weight(i) only
-    when its coin is flipped (VERIFIERS.md section 1: the backward scan equals the max-form in law).
+    when its coin is flipped (docs/verifiers.md section 1: the backward scan equals the max-form in law).
     The weights below the accepted length are never computed."""
     for i in range(n, 0, -1):
         if sampler.bernoulli(weight(i)):

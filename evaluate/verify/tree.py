@@ -1,4 +1,4 @@
-"""Verification of a drafted token tree (VERIFIERS.md section 6b-6d).
+"""Verification of a drafted token tree (docs/verifiers.md section 6b-6d).
 
 A tree holds N nodes; node 0 is the root (the last verified position, no token of its own) and every
 other node n has parents[n] < n and a token. Children are tried in node order. Per node:

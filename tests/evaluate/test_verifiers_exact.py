@@ -162,7 +162,7 @@ def test_block_verification_toy_example():
 
 
 def test_whole_decode_target_calls_on_the_toy_example():
-    """Expected target calls to emit H = 7 tokens (VERIFIERS.md section 4): GBV's extra first-iteration
+    """Expected target calls to emit H = 7 tokens (docs/verifiers.md section 4): GBV's extra first-iteration
     acceptance is paid back later, so it needs MORE calls than block and even token-wise verification."""
     q, p = TableModel(2, fixed=[2 / 3, 1 / 3]), TableModel(2, fixed=[1 / 3, 2 / 3])
     calls = {}

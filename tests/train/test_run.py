@@ -6,6 +6,8 @@ import importlib.resources
 import json
 from pathlib import Path
 
+from pathlib import Path
+
 import pytest
 import torch
 from hydra import compose, initialize_config_module
@@ -131,8 +133,15 @@ def test_train_export_reload_and_exact_resume(make_cfg, monkeypatch):
 
 @pytest.mark.parametrize("name,features", [("eagle3", "online"), ("specblock", "offline")])
 def test_baseline_and_offline_features_run_the_same_loop(make_cfg, name, features):
-    metrics = run_mod.train(make_cfg(name=name, out=f"{name}-{features}", features=features, max_steps=2))
+    cfg = make_cfg(name=name, out=f"{name}-{features}", features=features, max_steps=2)
+    if name == "eagle3":  # distinct layers (the 4-layer default [2, 2, 1] repeats one), unsorted
+        cfg.data.target.feature_layers = [3, 1, 2]
+    metrics = run_mod.train(cfg)
     assert metrics["step"] == 2 and torch.isfinite(torch.tensor(metrics["train/loss"]))
+    # only EAGLE-3 has a serving-engine layout (tests/train/test_serving.py checks its contents)
+    for suffix in ("vllm", "speculators"):
+        folder = Path(cfg.output_dir) / f"drafter-{suffix}"
+        assert (folder / "model.safetensors").exists() == (name == "eagle3")
 
 
 def test_validation_keeps_and_exports_the_best_step(make_cfg):

@@ -1,4 +1,4 @@
-"""The EAGLE-3 baseline drafter (SPECBLOCK.md 1.8; SafeAILab/EAGLE `eagle/traineagle3/cnets.py`).
+"""The EAGLE-3 baseline drafter (docs/specblock.md 1.8; SafeAILab/EAGLE `eagle/traineagle3/cnets.py`).
 
 One decoder layer `midlayer` whose attention reads [RMSNorm(embed(token)) ; RMSNorm(hidden)] (2H) and
 whose residual stream is `hidden`; `fc` projects the target's low|mid|high features (F*H -> H).

@@ -1,4 +1,4 @@
-"""The SpecBlock drafter (SPECBLOCK.md 1.2, 1.4, 1.5): one forward drafts a block of K dependent slots.
+"""The SpecBlock drafter (docs/specblock.md 1.2, 1.4, 1.5): one forward drafts a block of K dependent slots.
 
 Alignment. Context position t reads condition = features[:, t] (the target's low|mid|high hidden states
 at t) and token = input_ids[:, t] (already aligned by the trainer: the target's token t+1, at inference
