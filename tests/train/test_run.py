@@ -6,7 +6,6 @@ import importlib.resources
 import json
 from pathlib import Path
 
-from pathlib import Path
 
 import pytest
 import torch
