@@ -80,7 +80,12 @@ def test_shrinking_decoder_matches_generate_and_drops_finished_rows(tiny_chat):
     hf = hf[:, enc["input_ids"].shape[1] :].tolist()
     stop = hf[0][2]  # row 0 stops at its third token; the others run on unless they emit it too
     rows = regen.decode_shrinking(
-        model, enc["input_ids"], enc["attention_mask"], RegenerateConfig(max_new_tokens=8), torch.tensor([stop]), seed=0
+        model,
+        enc["input_ids"],
+        enc["attention_mask"],
+        RegenerateConfig(max_new_tokens=8),
+        torch.tensor([stop]),
+        seed=0,
     )
     for ours, theirs in zip(rows, hf):
         cut = theirs.index(stop) + 1 if stop in theirs else len(theirs)
