@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from transformers.cache_utils import DynamicCache
 
 from specblock.data.evalsets import prompt_ids
 from specblock.data.target import DEFAULT_TARGET_DIR, DTYPES, FeatureTarget, TargetConfig, load_target
@@ -35,6 +36,7 @@ from .metrics import AUTOREGRESSIVE, ratio
 from .run import eos_ids, load_set
 
 UNTRAINED = "untrained-"  # --drafter untrained-<name>: a randomly initialised drafter (costs only)
+HF_GREEDY = "hf-greedy"  # the leanest baseline: the model's own forward with a cache, nothing else
 FORWARD_TOKENS = [1, 2, 4, 8, 16, 32, 64, 128]
 
 
@@ -95,6 +97,28 @@ def make_drafter(
     return module, meta["feature_layers"]
 
 
+class HFGreedy:
+    """Greedy decoding with the bare HF model and a DynamicCache (no 4-D mask, no hidden states, logits
+    of the last position only): the check that the loop's autoregressive baseline is not handicapped."""
+
+    def __init__(self, model, max_new_tokens: int, eos: list[int]):
+        self.model, self.max_new_tokens, self.eos = model, max_new_tokens, set(eos)
+
+    @torch.no_grad()
+    def generate(self, prompt: list[int], seed: int = 0) -> Generation:
+        start, dev = time.perf_counter(), self.model.device
+        cache = DynamicCache()
+        logits = self.model(torch.tensor([prompt], device=dev), cache=cache, logits_to_keep=1).logits
+        out = [int(logits[0, -1].argmax())]
+        prefill, target = time.perf_counter() - start, 0.0
+        while len(out) < self.max_new_tokens and out[-1] not in self.eos:
+            t0 = time.perf_counter()
+            logits = self.model(torch.tensor([[out[-1]]], device=dev), cache=cache, logits_to_keep=1).logits
+            target += time.perf_counter() - t0
+            out.append(int(logits[0, -1].argmax()))
+        return Generation(out, [], len(out), len(out), time.perf_counter() - start, prefill, target)
+
+
 def decoders(args, model, eos: list[int]) -> dict[str, SpeculativeDecoder]:
     """One decoder per method, all on `model`; the drafter is cast to the model's dtype."""
     drafter, layers = make_drafter(args.drafter, model, args.draft_vocab)
@@ -102,6 +126,9 @@ def decoders(args, model, eos: list[int]) -> dict[str, SpeculativeDecoder]:
         drafter = drafter.to(device=model.device, dtype=model.dtype)
     out = {}
     for method in args.methods:
+        if method == HF_GREEDY:
+            out[method] = HFGreedy(model, args.max_new_tokens, eos)
+            continue
         mode, verifier = parse_method(method)
         cfg = DecodeConfig(
             mode, verifier, args.num_drafts if mode == "iid" else 1, args.draft_length, args.temperature,
@@ -224,7 +251,10 @@ def load_prompts(args, tokenizer) -> list[list[int]]:
 
 def parse_args(argv: list[str] | None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--methods", nargs="+", default=["autoregressive", "chain-token", "tree", "lookup"])
+    ap.add_argument(
+        "--methods", nargs="+", default=["autoregressive", "chain-token", "tree", "lookup"],
+        help=f"evaluation methods, and {HF_GREEDY} (temperature 0: the bare HF model with a cache)",
+    )  # fmt: skip
     ap.add_argument("--drafter", help="an exported drafter folder, or untrained-eagle3 / untrained-specblock")
     ap.add_argument(
         "--draft-vocab",

@@ -159,9 +159,13 @@ class TargetSession:
         return self.cache.get_seq_length() if self.cache is not None else 0
 
     @torch.no_grad()
-    def forward(self, tokens: list[int], parents: list[int] | None = None) -> tuple[Tensor, Tensor]:
+    def forward(
+        self, tokens: list[int], parents: list[int] | None = None, last_logits_only: bool = False
+    ) -> tuple[Tensor, Tensor]:
         """Feed `tokens` after the cache. parents None: a causal chain; else a tree, parents[n] < n (or -1:
-        child of the cache's last token). Returns features [n, F*H] and logits [n, V] float32."""
+        child of the cache's last token). Returns features [n, F*H] and logits [n, V] float32, or [1, V]
+        for the last token only with last_logits_only (a prefill that only samples the next token need
+        not pay the LM head's n x H x V multiply-adds over the whole prompt)."""
         n, past = len(tokens), len(self)
         dev = self.target.device
         if parents is None:
@@ -186,11 +190,13 @@ class TargetSession:
             **{self._cache_kw: self.cache},
         )
         self.calls += 1
-        res = self.target.outputs(out)
-        if res.logits.is_cuda:  # the loop reads the logits right away: time the kernels, not the launch
-            torch.cuda.synchronize(res.logits.device)
+        res = self.target.outputs(out, with_logits=not last_logits_only)
+        last = res.last_hidden[0, -1:]  # [1, H]
+        logits = self.target.logits_from_hidden(last) if last_logits_only else res.logits[0]
+        if logits.is_cuda:  # the loop reads the logits right away: time the kernels, not the launch
+            torch.cuda.synchronize(logits.device)
         self.seconds += time.perf_counter() - start
-        return res.features[0], res.logits[0]
+        return res.features[0], logits
 
     def keep(self, committed: int, kept: list[int]) -> None:
         """After a forward: keep the first `committed` cache entries and, of the entries fed after them,
@@ -320,7 +326,8 @@ class SpeculativeDecoder:
         gen = sampler if sampler is not None else TorchSampler(torch.Generator().manual_seed(seed))
         start = time.perf_counter()
         self.target.reset()
-        features, logits = self.target.forward(list(prompt))  # prefill
+        # prefill; the adapter learns from the target's logits at every prompt position, nothing else does
+        features, logits = self.target.forward(list(prompt), last_logits_only=self.adapter is None)
         out = [self._sample(logits[-1], gen)]
         if self.cfg.mode == "autoregressive":
             prefill_seconds, prefill_target = time.perf_counter() - start, self.target.seconds
