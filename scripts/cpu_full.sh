@@ -9,17 +9,20 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 py=.venv/bin/python
 export WANDB_MODE="${WANDB_MODE:-offline}"
-steps_specblock="${SPECBLOCK_STEPS:-400}"
-steps_eagle3="${EAGLE3_STEPS:-1200}"
+# ~21 s and ~7.5 s per step of 8 rows of ~550 tokens (README, bench_train offline tok/s): ~90 minutes each;
+# milestones every ~18 minutes of training for the scaling curve
+steps_specblock="${SPECBLOCK_STEPS:-260}"; milestones_specblock=50
+steps_eagle3="${EAGLE3_STEPS:-720}"; milestones_eagle3=150
 
 for drafter in specblock eagle3; do
-  steps_var="steps_${drafter}"
+  steps_var="steps_${drafter}"; keep_var="milestones_${drafter}"
   if [ -f "checkpoints/cpu_full-${drafter}/drafter/config.json" ]; then
     echo "cpu_full-${drafter}: exported already, skipped"
     continue
   fi
   echo "== $(date -u +%H:%M) training cpu_full-${drafter} (${!steps_var} steps)"
-  "$py" -m specblock.train experiment=cpu_full drafter="$drafter" resume=latest trainer.max_steps="${!steps_var}"
+  "$py" -m specblock.train experiment=cpu_full drafter="$drafter" resume=latest trainer.max_steps="${!steps_var}" \
+    trainer.keep_every="${!keep_var}"
 done
 
 echo "== $(date -u +%H:%M) scaling curve"
