@@ -91,21 +91,16 @@ def test_shrinking_decoder_matches_generate_and_drops_finished_rows(tiny_chat):
         cut = theirs.index(stop) + 1 if stop in theirs else len(theirs)
         assert ours == theirs[:cut]
     assert len(rows[0]) == 3 and max(len(r) for r in rows) == 8
-    sampled = regen.decode_shrinking(
-        model,
-        enc["input_ids"],
-        enc["attention_mask"],
-        RegenerateConfig(max_new_tokens=8, temperature=0.9, top_p=0.8),
-        torch.tensor([stop]),
-        seed=5,
-    )
-    again = regen.decode_shrinking(
-        model,
-        enc["input_ids"],
-        enc["attention_mask"],
-        RegenerateConfig(max_new_tokens=8, temperature=0.9, top_p=0.8),
-        torch.tensor([stop]),
-        seed=5,
+    sampled, again = (
+        regen.decode_shrinking(
+            model,
+            enc["input_ids"],
+            enc["attention_mask"],
+            RegenerateConfig(max_new_tokens=8, temperature=0.9, top_p=0.8),
+            torch.tensor([stop]),
+            seed=5,
+        )
+        for _ in range(2)
     )
     assert sampled == again and sampled != rows  # seeded
 

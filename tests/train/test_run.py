@@ -77,6 +77,23 @@ def make_cfg(tiny_chat, tmp_path):
     return make
 
 
+def train_killed_after(cfg, step, monkeypatch):
+    """Run `cfg` until `step` optimizer steps are done, then die as a killed process would."""
+    from specblock.train import trainer as trainer_mod
+
+    real_step = trainer_mod._train_step
+
+    def dying(run, *a, **k):
+        if run.progress.step == step:
+            raise KeyboardInterrupt
+        return real_step(run, *a, **k)
+
+    with monkeypatch.context() as m:
+        m.setattr(trainer_mod, "_train_step", dying)
+        with pytest.raises(KeyboardInterrupt):
+            run_mod.train(cfg)
+
+
 def params(module):
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
@@ -102,20 +119,7 @@ def test_train_export_reload_and_exact_resume(make_cfg, monkeypatch):
         run_mod.train(make_cfg())
 
     # killed after step 4 (the checkpoint at step 3 survives), then resumed: bit-identical parameters
-    killed = make_cfg(out="killed")
-    from specblock.train import trainer as trainer_mod
-
-    real_step = trainer_mod._train_step
-
-    def dying(run, *a, **k):
-        if run.progress.step == 4:
-            raise KeyboardInterrupt
-        return real_step(run, *a, **k)
-
-    monkeypatch.setattr(trainer_mod, "_train_step", dying)
-    with pytest.raises(KeyboardInterrupt):
-        run_mod.train(killed)
-    monkeypatch.setattr(trainer_mod, "_train_step", real_step)
+    train_killed_after(make_cfg(out="killed"), 4, monkeypatch)
     resumed = make_cfg(out="killed", resume="latest")
     run_mod.train(resumed)
     again, _ = load_drafter(resumed.output_dir + "/drafter")
@@ -218,19 +222,7 @@ def test_a_resumed_run_remembers_its_best_validation_step(make_cfg, monkeypatch)
         best_mode="min",
         **kw,
     )
-    from specblock.train import trainer as trainer_mod
-
-    real_step = trainer_mod._train_step
-
-    def dying(run, *a, **k):
-        if run.progress.step == 3:
-            raise KeyboardInterrupt
-        return real_step(run, *a, **k)
-
-    monkeypatch.setattr(trainer_mod, "_train_step", dying)
-    with pytest.raises(KeyboardInterrupt):
-        run_mod.train(make())
-    monkeypatch.setattr(trainer_mod, "_train_step", real_step)
+    train_killed_after(make(), 3, monkeypatch)
     cfg = make(resume="latest")
     run_mod.train(cfg)
     assert read_best(cfg.output_dir)["step"] == 2
