@@ -101,6 +101,7 @@ def train(cfg: TrainConfig, resolved: dict | None = None) -> dict[str, float]:
     built = build(cfg)
     if is_main():
         OmegaConf.save(OmegaConf.create(resolved), Path(cfg.output_dir) / "config.yaml")
+    lengths = [len(row["input_ids"]) for row in built.rows] if cfg.trainer.group_by_length else None
     metrics = fit(
         built.strategy,
         built.rows,
@@ -108,6 +109,7 @@ def train(cfg: TrainConfig, resolved: dict | None = None) -> dict[str, float]:
         cfg.trainer,
         run_config=resolved,
         eval_dataset=built.held_out,
+        lengths=lengths,
     )
     log0("final metrics (last logging window):\n" + metrics_table(metrics))
     if cfg.export and is_main():
