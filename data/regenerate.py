@@ -21,6 +21,8 @@ from torch import Tensor
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
+from .target import eos_ids
+
 Turn = dict[str, str]
 Conversation = tuple[str, list[Turn]]  # (row id, turns)
 
@@ -109,17 +111,9 @@ def generate_batch(
         add_special_tokens=False,
     ).to(model.device)
     rows = decode_shrinking(
-        model, enc["input_ids"], enc["attention_mask"], cfg, stop_ids(tokenizer, model), seed
+        model, enc["input_ids"], enc["attention_mask"], cfg, torch.tensor(eos_ids(tokenizer, model)), seed
     )
     return [tokenizer.decode(row, skip_special_tokens=True).strip() for row in rows]
-
-
-def stop_ids(tokenizer, model) -> torch.Tensor:
-    """Token ids that end an answer: the tokenizer's EOS and the generation config's (chat end-of-turn)."""
-    ids = {tokenizer.eos_token_id}
-    extra = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    ids |= set(extra) if isinstance(extra, (list, tuple)) else {extra}
-    return torch.tensor(sorted(i for i in ids if i is not None))
 
 
 def next_tokens(logits: Tensor, cfg: RegenerateConfig, generator: torch.Generator) -> Tensor:
@@ -151,8 +145,8 @@ def decode_shrinking(
         input_ids=input_ids,
         attention_mask=mask,
         position_ids=positions,
-        past_key_values=cache,
         logits_to_keep=1,
+        **{kw: cache},
     ).logits[:, -1]
     alive, answers = torch.arange(len(input_ids)), [[] for _ in range(len(input_ids))]
     for step in range(cfg.max_new_tokens):

@@ -66,7 +66,7 @@ class TargetConfig:
     trust_remote_code: bool = False
     feature_layers: list[int] | None = None
     # transformers' attention kernel ("sdpa", "eager", ...; None = its default). Not part of a cache's
-    # identity: kernels differ only in rounding. On a 2-core AMX CPU "eager" decodes batches of 32-64
+    # identity: kernels differ only in rounding. On a 2-core AVX512-BF16 CPU "eager" decodes batches of 32-64
     # in bf16 1.4x faster than "sdpa" (scripts/bench_data.py --attn eager).
     attn_implementation: str | None = None
 
@@ -105,6 +105,17 @@ def auto_dtype(device: str, flags: set[str] | None = None) -> str:
         return "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
     flags = cpu_flags() if flags is None else flags
     return "bfloat16" if any(f in flags for f in BF16_CPU_FLAGS) else "float32"
+
+
+def eos_ids(tokenizer, model) -> list[int]:
+    """End-of-sequence ids: the tokenizer's and the generation config's (chat models end turns there)."""
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if gen_eos is not None:
+        ids.update([gen_eos] if isinstance(gen_eos, int) else gen_eos)
+    return sorted(ids)
 
 
 def default_feature_layers(num_layers: int) -> list[int]:

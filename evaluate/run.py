@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 
 from specblock.data.evalsets import EvalPrompt, EvalSet, EvalSetConfig, load_eval_set, turn_ids
 from specblock.data.io import atomic_path
-from specblock.data.target import FeatureTarget, ensure_embedded_target, load_target
+from specblock.data.target import FeatureTarget, ensure_embedded_target, eos_ids, load_target
 from specblock.train.export import load_drafter
 
 from .adapt import Adapter
@@ -42,17 +42,6 @@ SEPARATOR = ":"  # method labels: "<drafter>:<method>", e.g. "specblock:tree"
 # Seed offset of turn k of a prompt: a large prime, so that no turn of one prompt reuses the seed of
 # another prompt's first turn (prompt i's first turn keeps seed * 100_003 + i, as before turns existed).
 TURN_SEED_STRIDE = 1_000_003
-
-
-def eos_ids(tokenizer, model) -> list[int]:
-    """End-of-sequence ids: the tokenizer's and the generation config's (chat models end turns there)."""
-    ids = set()
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if gen_eos is not None:
-        ids.update([gen_eos] if isinstance(gen_eos, int) else gen_eos)
-    return sorted(ids)
 
 
 def load_drafters(cfg: EvalConfig, target) -> dict[str, tuple[torch.nn.Module, dict]]:
