@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import send_to_device
 
 from specblock.data.io import write_json_atomic
 
@@ -87,7 +88,7 @@ def evaluate(
     mine = [s for i, s in enumerate(starts) if i % accelerator.num_processes == accelerator.process_index]
     for start in mine:
         rows = [dataset[i] for i in range(start, min(start + micro_batch_size, len(dataset)))]
-        batch = _to_device(collate_fn(rows), accelerator.device)
+        batch = send_to_device(collate_fn(rows), accelerator.device)
         with accelerator.autocast():
             out = strategy.forward_loss(batch, step, 0)
         window.add_output(out, float(strategy.num_loss_items(batch)))
@@ -138,14 +139,6 @@ class Validator:
             + (" (best)" if improved else f" (best {self.best.value:.4f} at step {self.best.step})")
         )
         return improved
-
-
-def _to_device(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device)
-    if isinstance(batch, dict):
-        return {k: _to_device(v, device) for k, v in batch.items()}
-    return batch
 
 
 def write_best(output_dir: str | Path, best: BestStep, metric: str, step_folder: Path) -> None:
