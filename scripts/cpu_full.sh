@@ -31,5 +31,5 @@ echo "== $(date -u +%H:%M) scaling curve"
 echo "== $(date -u +%H:%M) evaluation of the best checkpoints"
 "$py" -m specblock.evaluate run_name=cpu_full target.dtype=float32 limit=4 max_new_tokens=64 \
   'drafters={specblock: checkpoints/cpu_full-specblock/drafter, eagle3: checkpoints/cpu_full-eagle3/drafter}' \
-  'methods=[autoregressive,chain-token,tree]'
+  'methods=[autoregressive,lookup,chain-token,tree]'
 echo "== $(date -u +%H:%M) done"
