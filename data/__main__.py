@@ -1,4 +1,8 @@
-"""python -m specblock.data [hydra overrides]: prepare training data (see configs/prepare.yaml)."""
+"""python -m specblock.data [hydra overrides]: prepare training data (see configs/prepare.yaml).
+
+Under `accelerate launch` every process runs this; they split regeneration and feature capture by rank
+(data/world.py) and write the outputs one process would.
+"""
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -7,6 +11,7 @@ from .errors import exit_on_user_error
 
 from .config import PrepareAppConfig, register_configs
 from .prepare import prepare
+from .world import launched_world
 
 register_configs()
 
@@ -15,7 +20,7 @@ register_configs()
 @exit_on_user_error
 def main(cfg: DictConfig) -> None:
     config: PrepareAppConfig = OmegaConf.to_object(cfg)
-    prepare(config.data)
+    prepare(config.data, launched_world())
 
 
 if __name__ == "__main__":

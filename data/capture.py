@@ -10,6 +10,11 @@ Shard s holds the valid rows s*shard_rows ... (s+1)*shard_rows-1. Each shard is 
 carries a fingerprint of its settings and inputs, so a re-run skips finished shards (resume) and refuses
 shards made from something else. manifest.json is written last: its presence means the capture is complete.
 
+Several ranks (`world`, data/world.py): shard s is captured by rank s % size, each rank resuming from its
+own finished shards; once all are done rank 0 checks the others' shards and writes the one manifest,
+listing every shard in row order. A shard's bytes depend on its rows and settings alone, so the folder
+equals a single process's.
+
 Size cap policy: with `max_gb` set, a capture whose projected size exceeds it is REFUSED before anything is
 written (the message says how many rows would fit); cap it explicitly with `max_rows`. Nothing is silently
 truncated.
@@ -17,13 +22,14 @@ truncated.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from safetensors import safe_open
@@ -46,6 +52,7 @@ from .manifest import (
     write_manifest,
 )
 from .target import FeatureTarget
+from .world import World
 
 FEATURE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 # 128 rows x 2k tokens x 4 states x 576 x 2 B is ~1.2 GB for SmolLM2: big enough that shard overhead is
@@ -225,10 +232,12 @@ def capture_features(
     tokenizer: Any,
     source: str = "rows",
     tokens_manifest: Manifest | None = None,
+    world: World = World(),
 ) -> Path:
     """Captures features for `rows` (dicts with int lists input_ids and loss_mask; `source` names them in
     errors) into `out_dir`, resuming from finished shards; returns out_dir (see the module docstring).
-    With `tokens_manifest` (the rows' own manifest), rows from another tokenizer or template are refused."""
+    With `tokens_manifest` (the rows' own manifest), rows from another tokenizer or template are refused.
+    Every rank calls it with the same rows; it returns on every rank once the manifest is written."""
     cfg, out_dir = cfg or CaptureConfig(), Path(out_dir)
     expected = Manifest(
         kind="features",
@@ -262,12 +271,18 @@ def capture_features(
     if (out_dir / MANIFEST_NAME).is_file():
         return _already_complete(out_dir, expected, rows, plan, cfg, identity)
     check_size(plan, target, cfg)
-    shard_plan = _shard_plan(rows, plan, cfg, out_dir, identity)
-    expected.shards = _write_shards(target, shard_plan, cfg, plan.num_tokens)
-    expected.num_samples, expected.num_tokens = len(plan.indices), plan.num_tokens
-    expected.code_git_sha = code_git_sha()
-    expected.extra.update(source=source, row_layout="packed", tensors=list(_TENSORS))
-    write_manifest(out_dir, expected)
+    shard_plan = functools.partial(_shard_plan, rows, plan, cfg, out_dir, identity)
+    shard_tokens = [
+        sum(plan.lengths[s : s + cfg.shard_rows]) for s in range(0, len(plan.lengths), cfg.shard_rows)
+    ]
+    my_tokens = sum(n for s, n in enumerate(shard_tokens) if world.owns(s))
+    expected.shards = _write_shards(target, shard_plan, cfg, my_tokens, world)
+    if world.is_main:
+        expected.num_samples, expected.num_tokens = len(plan.indices), plan.num_tokens
+        expected.code_git_sha = code_git_sha()
+        expected.extra.update(source=source, row_layout="packed", tensors=list(_TENSORS))
+        write_manifest(out_dir, expected)
+    world.barrier()  # the manifest exists for every rank that returns
     return out_dir
 
 
@@ -286,12 +301,20 @@ def _shard_plan(
 
 
 def _write_shards(
-    target: FeatureTarget, shard_plan: Iterator[ShardPlan], cfg: CaptureConfig, num_tokens: int
+    target: FeatureTarget,
+    shard_plan: Callable[[], Iterator[ShardPlan]],
+    cfg: CaptureConfig,
+    my_tokens: int,
+    world: World,
 ) -> list[ShardInfo]:
-    """Writes each shard, or keeps one already there from the same inputs; returns them with their sha256."""
-    shards: list[ShardInfo] = []
-    with tqdm(total=num_tokens, desc="capture", unit="tok", unit_scale=True) as bar:
-        for path, shard, fingerprint in shard_plan:
+    """Writes this rank's shards (shard s is rank s % world.size's), or keeps one already there from the
+    same inputs. Once every rank is done, returns all shards in order with their sha256 on rank 0, after
+    checking the other ranks' shards against their fingerprints; [] on the other ranks."""
+    shards: dict[int, ShardInfo] = {}
+    with tqdm(total=my_tokens, desc="capture", unit="tok", unit_scale=True) as bar:
+        for s, (path, shard, fingerprint) in enumerate(shard_plan()):
+            if not world.owns(s):
+                continue
             if path.is_file():
                 _check_fingerprint(path, fingerprint)
                 bar.update(sum(len(ids) for ids, _ in shard.values()))
@@ -299,11 +322,21 @@ def _write_shards(
                 tensors = _capture_shard(target, shard, cfg, bar)
                 with atomic_path(path) as tmp:
                     save_file(tensors, str(tmp), metadata={"fingerprint": fingerprint})
-            shards.append(ShardInfo(file=path.name, rows=len(shard), sha256=sha256_file(path)))
-    return shards
+            shards[s] = ShardInfo(file=path.name, rows=len(shard), sha256=sha256_file(path))
+    world.barrier()  # every rank's shards are written
+    if not world.is_main:
+        return []
+    if world.size > 1:
+        for s, (path, shard, fingerprint) in enumerate(shard_plan()):
+            if s not in shards:
+                _check_fingerprint(path, fingerprint)
+                shards[s] = ShardInfo(file=path.name, rows=len(shard), sha256=sha256_file(path))
+    return [shards[s] for s in sorted(shards)]
 
 
 def _check_fingerprint(path: Path, fingerprint: str) -> None:
+    if not path.is_file():
+        raise BadInputError(str(path), None, None, "this shard is missing (did a rank stop early?)")
     with safe_open(str(path), framework="pt") as f:
         found = (f.metadata() or {}).get("fingerprint")
     if found != fingerprint:

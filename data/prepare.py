@@ -2,12 +2,16 @@
 
 Each step is skipped when its output exists and its manifest matches this config, so re-running is
 cheap and a killed run continues where it stopped (regeneration resumes row by row).
+
+Under `accelerate launch` (a `World` of several ranks, data/world.py) regeneration and feature capture
+split their work by rank and merge it on rank 0; tokenization, seconds of work, runs on rank 0 while the
+others wait. The outputs are those of a single process.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import jinja2
@@ -19,10 +23,11 @@ from .corpora import load_conversations
 from .errors import BadInputError, RowPolicy
 from .manifest import Manifest, ManifestMismatchError, chat_template_hash, check, code_git_sha
 from .manifest import read_manifest, tokenizer_hash
-from .regenerate import fitting_prompts, regenerate
+from .regenerate import BACKENDS, fitting_prompts, regenerate
 from .shards import write_token_shards
-from .target import FeatureTarget, ensure_embedded_target, load_target, load_tokenizer
+from .target import FeatureTarget, TargetConfig, ensure_embedded_target, load_target, load_tokenizer
 from .templates import TemplateMaskError, render_with_mask
+from .world import World
 
 
 @dataclass
@@ -34,8 +39,11 @@ class PrepareResult:
 
 
 def expected_manifest(cfg: PrepareConfig, tokenizer) -> Manifest:
-    """What the token shards of this config must record (checked against an existing folder)."""
-    recipe = {"corpus": asdict(cfg.corpus), "regenerate": asdict(cfg.regenerate)}
+    """What the token shards of this config must record (checked against an existing folder). The
+    regeneration backend is left out of the recipe: backends differ only in rounding, and shards made
+    before it existed stay valid."""
+    regenerate = {k: v for k, v in asdict(cfg.regenerate).items() if k != "backend"}
+    recipe = {"corpus": asdict(cfg.corpus), "regenerate": regenerate}
     return Manifest(
         kind="tokens",
         target_id=cfg.target.target_id,
@@ -81,37 +89,27 @@ def tokenize(conversations, tokenizer, max_length: int, policy: RowPolicy) -> li
     return rows
 
 
-def prepare(cfg: PrepareConfig) -> PrepareResult:
-    """Runs the stage; the target model itself is loaded only for regeneration or feature capture."""
+def prepare(cfg: PrepareConfig, world: World = World()) -> PrepareResult:
+    """Runs the stage; the target model itself is loaded only for regeneration or feature capture. Every
+    rank of `world` calls it; each returns the same result once the outputs are complete."""
     out = Path(cfg.out_dir)
     ensure_embedded_target(cfg.target.name_or_path)
-    tokenizer = load_tokenizer(cfg.target)
-    model = functools.cache(lambda: load_target(cfg.target)[0])
+    target_cfg = replace(cfg.target, device=world.device(cfg.target.device))
+    tokenizer = load_tokenizer(target_cfg)
+    model = functools.cache(lambda: load_target(target_cfg)[0])
     tokens_dir, expected = out / "tokens", expected_manifest(cfg, tokenizer)
     if up_to_date(tokens_dir, expected, cfg.overwrite):
         manifest = read_manifest(tokens_dir)
-        print(f"token shards up to date: {tokens_dir} ({manifest.num_samples} rows)")
+        if world.is_main:
+            print(f"token shards up to date: {tokens_dir} ({manifest.num_samples} rows)")
     else:
-        policy = RowPolicy(cfg.corpus.on_bad_row)
-        conversations = load_conversations(cfg.corpus, policy)
-        drawn = len(conversations)
-        if cfg.regenerate.enabled:
-            conversations = fitting_prompts(tokenizer, conversations, cfg.regenerate, policy)
-            conversations = regenerate(
-                model(), tokenizer, conversations, out / "regenerated.jsonl", cfg.regenerate
-            )
-        rows = tokenize(conversations, tokenizer, cfg.max_length, policy)
-        print(
-            f"corpus: {drawn} conversations drawn (limit {cfg.corpus.limit}), {len(rows)} rows kept; "
-            f"bad rows in the source and after filtering: {policy.summary()}"
-        )
-        manifest = write_token_shards(rows, tokens_dir, expected, cfg.shard_rows)
+        manifest = make_token_shards(cfg, target_cfg, tokenizer, model, expected, world)
     result = PrepareResult(tokens_dir, manifest.num_samples, manifest.num_tokens)
     if cfg.features.enabled:
         from .shards import TokenDataset
 
         target = FeatureTarget(
-            model(), cfg.target.feature_layers, target_id=cfg.target.target_id, revision=cfg.target.revision
+            model(), target_cfg.feature_layers, target_id=target_cfg.target_id, revision=target_cfg.revision
         )
         rows = [{k: v.tolist() for k, v in row.items()} for row in TokenDataset(tokens_dir)]
         result.features_dir = capture_features(
@@ -122,11 +120,44 @@ def prepare(cfg: PrepareConfig) -> PrepareResult:
             tokenizer=tokenizer,
             source=str(tokens_dir),
             tokens_manifest=manifest,
+            world=world,
         )
-    print(
-        f"token shards: {tokens_dir} ({result.num_rows} rows, {result.num_tokens} tokens); "
-        f"manifest: {tokens_dir / 'manifest.json'}"
-    )
-    if result.features_dir:
-        print(f"target features: {result.features_dir}; manifest: {result.features_dir / 'manifest.json'}")
+    if world.is_main:
+        print(
+            f"token shards: {tokens_dir} ({result.num_rows} rows, {result.num_tokens} tokens); "
+            f"manifest: {tokens_dir / 'manifest.json'}"
+        )
+        if result.features_dir:
+            print(
+                f"target features: {result.features_dir}; manifest: {result.features_dir / 'manifest.json'}"
+            )
     return result
+
+
+def make_token_shards(
+    cfg: PrepareConfig, target_cfg: TargetConfig, tokenizer, model, expected: Manifest, world: World
+) -> Manifest:
+    """corpus -> (regenerated, split over the ranks) conversations -> token shards, written by rank 0;
+    returns their manifest on every rank. target_cfg: cfg.target on this rank's device; `model()` loads
+    the HF target (once)."""
+    out, policy = Path(cfg.out_dir), RowPolicy(cfg.corpus.on_bad_row)
+    if cfg.regenerate.enabled:
+        BACKENDS[cfg.regenerate.backend].check()  # before any work: a missing engine is named at once
+    conversations = load_conversations(cfg.corpus, policy)
+    drawn = len(conversations)
+    if cfg.regenerate.enabled:
+        conversations = fitting_prompts(tokenizer, conversations, cfg.regenerate, policy)
+        backend = BACKENDS[cfg.regenerate.backend]
+        generator = backend.load(target_cfg, cfg.regenerate, world, model)
+        conversations = regenerate(
+            generator, tokenizer, conversations, out / "regenerated.jsonl", cfg.regenerate, world
+        )
+    if world.is_main:
+        rows = tokenize(conversations, tokenizer, cfg.max_length, policy)
+        print(
+            f"corpus: {drawn} conversations drawn (limit {cfg.corpus.limit}), {len(rows)} rows kept; "
+            f"bad rows in the source and after filtering: {policy.summary()}"
+        )
+        write_token_shards(rows, out / "tokens", expected, cfg.shard_rows)
+    world.barrier()  # the token shards exist for every rank
+    return read_manifest(out / "tokens")

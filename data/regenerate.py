@@ -6,6 +6,15 @@ killed run leaves at most one partial last line, which the next run drops before
 conversations not yet in the file, so no row is duplicated or lost. Sampling is seeded per batch (by the
 index of its first conversation), so a run resumed after a kill between batches produces exactly what
 an uninterrupted one would have; greedy regeneration does in any case.
+
+Several ranks (`accelerate launch`, see data/world.py): batch b of the conversations (the batches a single
+process would form) belongs to rank b % size, which appends it to its own part file
+`<out>.rank<r>.jsonl` and resumes from it; once every rank is done, rank 0 appends the parts' rows to
+`<out>` in input order (through a temporary copy renamed into place) and deletes the parts. Batches,
+seeds and line bytes are those of a single process, so the merged file is the one it writes.
+
+Backends (`cfg.backend`, registry BACKENDS): `hf`, this module's own batched decoding with a KV cache, and
+`vllm`, offline generation through vLLM (data/vllm_backend.py).
 """
 
 from __future__ import annotations
@@ -13,15 +22,21 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
-from .target import eos_ids
+from . import vllm_backend
+from .io import atomic_path
+from .target import TargetConfig, eos_ids
+from .world import World
 
 Turn = dict[str, str]
 Conversation = tuple[str, list[Turn]]  # (row id, turns)
@@ -37,8 +52,12 @@ class RegenerateConfig:
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0
     seed: int = 0
+    # hf | vllm (registry BACKENDS). Not part of the data's recipe: backends differ only in rounding.
+    backend: str = "hf"
 
     def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"regenerate.backend={self.backend!r} is not one of {sorted(BACKENDS)}")
         if self.turns < 1 or self.max_new_tokens < 1 or self.batch_size < 1:
             raise ValueError(f"regenerate needs turns, max_new_tokens and batch_size >= 1, got {self}")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
@@ -72,8 +91,9 @@ def fitting_prompts(
     return kept
 
 
-def read_done(path: Path) -> dict[str, list[Turn]]:
-    """Finished conversations in `path`; a partial last line (a killed write) is cut off the file."""
+def read_done(path: Path, repair: bool = True) -> dict[str, list[Turn]]:
+    """Finished conversations in `path`; a partial last line (a killed write) is ignored, and cut off the
+    file when `repair` (only by the file's own writer: another rank may be appending to it)."""
     if not path.exists():
         return {}
     done, good_bytes = {}, 0
@@ -87,18 +107,24 @@ def read_done(path: Path) -> dict[str, list[Turn]]:
                 break
             done[row["id"]] = row["turns"]
             good_bytes += len(line)
-    if good_bytes != path.stat().st_size:
+    if repair and good_bytes != path.stat().st_size:
         with open(path, "r+b") as f:
             f.truncate(good_bytes)
     return done
 
 
-@torch.inference_mode()
 def generate_batch(
     model, tokenizer, prompts: list[list[Turn]], cfg: RegenerateConfig, seed: int
 ) -> list[str]:
-    """One batch of chat-template prompts (left padding) -> greedy or sampled answers (EOS excluded)."""
+    """One batch of chat prompts -> greedy or sampled answers (EOS excluded), by cfg.backend's `model`."""
     texts = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in prompts]
+    return BACKENDS[cfg.backend].generate(model, tokenizer, texts, cfg, seed)
+
+
+@torch.inference_mode()
+def hf_generate(model, tokenizer, texts: list[str], cfg: RegenerateConfig, seed: int) -> list[str]:
+    """The hf backend: chat-templated prompt texts (left padding, cut from the left to
+    cfg.max_prompt_tokens) -> answers, decoded with a shrinking batch (decode_shrinking)."""
     tokenizer.padding_side, tokenizer.truncation_side = "left", "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -169,37 +195,100 @@ def decode_shrinking(
 
 
 def regenerate(
-    model, tokenizer, conversations: list[Conversation], out_path: str | Path, cfg: RegenerateConfig
+    model,
+    tokenizer,
+    conversations: list[Conversation],
+    out_path: str | Path,
+    cfg: RegenerateConfig,
+    world: World = World(),
 ) -> list[Conversation]:
     """Answers of `conversations` rewritten by `model`; returns them in input order.
 
     out_path: the resumable jsonl ({"id", "turns"} per line). Conversations are processed in batches of
     cfg.batch_size; each batch runs its user rounds one after another (round r sees the answers of
-    rounds < r) and is appended to out_path once finished.
+    rounds < r) and is appended to out_path once finished. With several ranks (`world`), each rank
+    regenerates its own batches into its part file and rank 0 merges the parts into out_path (module
+    docstring); rank 0 returns the conversations, the other ranks [] (the next steps run on rank 0).
     """
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    done = read_done(out_path)
-    todo = [(i, c) for i, c in enumerate(conversations) if c[0] not in done]
-    bar = tqdm(
-        total=len(conversations), initial=len(conversations) - len(todo), desc="regenerate", unit="conv"
-    )
-    with open(out_path, "a", encoding="utf-8") as sink:
+    sink = out_path if world.size == 1 else part_path(out_path, world.rank)
+    done = read_done(sink)
+    for other in [out_path, *part_paths(out_path)]:  # rows finished by earlier runs, whatever their ranks
+        if other != sink:
+            done.update(read_done(other, repair=False))
+    mine = [(i, c) for i, c in enumerate(conversations) if world.owns(i // cfg.batch_size)]
+    todo = [(i, c) for i, c in mine if c[0] not in done]
+    if world.size > 1:
+        print(
+            f"regenerate, rank {world.rank} of {world.size}: {len(mine) - len(todo)} of {len(mine)} "
+            f"conversations already done, writing {sink}"
+        )
+    append_batches(model, tokenizer, todo, sink, cfg, initial=len(mine) - len(todo))
+    world.barrier()  # every part is complete
+    if not world.is_main:
+        return []
+    done = merge_parts(out_path, conversations)
+    return [(cid, done[cid]) for cid, _ in conversations]
+
+
+def append_batches(
+    model, tokenizer, todo: list[tuple[int, Conversation]], sink: Path, cfg: RegenerateConfig, initial: int
+) -> None:
+    """Regenerates `todo` ((input index, conversation) pairs) batch by batch, appending each finished
+    batch to `sink` in one fsynced write; a batch is seeded by the input index of its first row."""
+    bar = tqdm(total=initial + len(todo), initial=initial, desc="regenerate", unit="conv")
+    with open(sink, "a", encoding="utf-8") as f:
         for start in range(0, len(todo), cfg.batch_size):
             batch = todo[start : start + cfg.batch_size]
             finished = regenerate_batch(
                 model, tokenizer, [c for _, c in batch], cfg, seed=cfg.seed + batch[0][0]
             )
-            lines = [
-                json.dumps({"id": cid, "turns": turns}, ensure_ascii=False) + "\n" for cid, turns in finished
-            ]
-            sink.write("".join(lines))  # one write per batch: a kill rarely splits a batch
-            done.update(finished)
-            sink.flush()
-            os.fsync(sink.fileno())
+            f.write("".join(jsonl_line(cid, turns) for cid, turns in finished))  # a kill rarely splits it
+            f.flush()
+            os.fsync(f.fileno())
             bar.update(len(batch))
     bar.close()
-    return [(cid, done[cid]) for cid, _ in conversations]
+
+
+def jsonl_line(cid: str, turns: list[Turn]) -> str:
+    return json.dumps({"id": cid, "turns": turns}, ensure_ascii=False) + "\n"
+
+
+def part_path(out_path: Path, rank: int) -> Path:
+    """Rank `rank`'s part of out_path: regenerated.jsonl -> regenerated.rank<rank>.jsonl."""
+    return out_path.with_name(f"{out_path.stem}.rank{rank}{out_path.suffix}")
+
+
+def part_paths(out_path: Path) -> list[Path]:
+    """The part files beside out_path, from any earlier world size, by rank."""
+    pattern = re.compile(re.escape(out_path.stem) + r"\.rank(\d+)" + re.escape(out_path.suffix))
+    found = [(int(m.group(1)), p) for p in out_path.parent.iterdir() if (m := pattern.fullmatch(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def merge_parts(out_path: Path, conversations: list[Conversation]) -> dict[str, list[Turn]]:
+    """Rank 0, once no rank writes any more: out_path's finished rows plus those of the part files, which
+    are appended to out_path (input order first, then rows of conversations this run did not ask for, so
+    none is lost) through a copy renamed into place; the parts are then deleted. Returns every row."""
+    done, parts = read_done(out_path), part_paths(out_path)
+    if not parts:
+        return done
+    found: dict[str, list[Turn]] = {}
+    for part in parts:
+        found.update(read_done(part, repair=False))
+    order = [cid for cid, _ in conversations if cid in found] + list(found)
+    new = {cid: found[cid] for cid in order if cid not in done}
+    with atomic_path(out_path) as tmp:
+        if out_path.exists():
+            shutil.copyfile(out_path, tmp)
+        with open(tmp, "a", encoding="utf-8") as f:
+            f.write("".join(jsonl_line(cid, turns) for cid, turns in new.items()))
+            f.flush()
+            os.fsync(f.fileno())
+    for part in parts:  # after the rename: a kill in between leaves rows that the next merge skips
+        part.unlink()
+    return {**done, **new}
 
 
 def regenerate_batch(
@@ -216,3 +305,29 @@ def regenerate_batch(
         for i, answer in zip(active, answers):
             convs[i].append({"role": "assistant", "content": answer})
     return [(cid, turns) for (cid, _), turns in zip(batch, convs)]
+
+
+@dataclass(frozen=True)
+class Backend:
+    """How answers are generated. check(): raises a clear error if the backend cannot run here (before
+    any work); load(target, cfg, world, hf_model): the generating model (hf_model() loads the HF target
+    once, shared with feature capture); generate(model, tokenizer, texts, cfg, seed): one batch of
+    chat-templated prompt texts -> answers."""
+
+    check: Callable[[], None]
+    load: Callable[[TargetConfig, RegenerateConfig, World, Callable[[], Any]], Any]
+    generate: Callable[[Any, Any, list[str], RegenerateConfig, int], list[str]]
+
+
+BACKENDS: dict[str, Backend] = {
+    "hf": Backend(
+        check=lambda: None,
+        load=lambda target, cfg, world, hf_model: hf_model(),
+        generate=hf_generate,
+    ),
+    "vllm": Backend(
+        check=vllm_backend.import_vllm,
+        load=lambda target, cfg, world, hf_model: vllm_backend.load(target, cfg, world),
+        generate=vllm_backend.generate,
+    ),
+}
