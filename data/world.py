@@ -57,12 +57,20 @@ def launched_world() -> World:
     """This process's World: from accelerate's PartialState under `accelerate launch` (which sets
     WORLD_SIZE for every rank, as torchrun does), rank 0 of 1 otherwise. A single process never creates a
     process group, so a plain run has no distributed side effects."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched <= 1:
         return World()
     from accelerate import PartialState
+    from accelerate.utils import parse_flag_from_env
 
-    # init_process_group's timeout bounds every collective, the barrier included (kwargs pass through).
-    state = PartialState(timeout=BARRIER_TIMEOUT)
+    # `accelerate launch --cpu` (or use_cpu in its config) says so through this variable, which
+    # Accelerator reads but PartialState does not. The timeout bounds every collective, barriers included.
+    state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"), timeout=BARRIER_TIMEOUT)
+    if state.num_processes != launched:  # else every process would write the same files as "rank 0 of 1"
+        raise ValueError(
+            f"{launched} processes were launched but accelerate set up {state.num_processes} "
+            f"({state.distributed_type}): without GPUs, launch with --cpu or ACCELERATE_USE_CPU=true"
+        )
     return World(
         rank=state.process_index,
         size=state.num_processes,
