@@ -93,7 +93,9 @@ def prepare(cfg: PrepareConfig, world: World = World()) -> PrepareResult:
     """Runs the stage; the target model itself is loaded only for regeneration or feature capture. Every
     rank of `world` calls it; each returns the same result once the outputs are complete."""
     out = Path(cfg.out_dir)
-    ensure_embedded_target(cfg.target.name_or_path)
+    if world.is_main:  # made once, not by every rank at the same time
+        ensure_embedded_target(cfg.target.name_or_path)
+    world.barrier()
     target_cfg = replace(cfg.target, device=world.device(cfg.target.device))
     tokenizer = load_tokenizer(target_cfg)
     model = functools.cache(lambda: load_target(target_cfg)[0])
