@@ -130,14 +130,18 @@ def decoders(args, model, eos: list[int]) -> dict[str, SpeculativeDecoder]:
         if method == HF_GREEDY:
             out[method] = HFGreedy(model, args.max_new_tokens, eos)
             continue
-        name, _, budget = method.partition("@")  # tree@16, tree@auto: the tree's budget
+        # tree@16 / tree@auto: the tree's budget; chain-token@6 / chain-token@auto: the chain's length
+        # (auto: chosen per iteration up to --draft-length)
+        name, _, size = method.partition("@")
         mode, verifier = parse_method(name)
-        tree = _default_trees().get(_drafter_name(drafter), TreeConfig())
-        if budget:
-            tree = replace(tree, budget=int(budget) if budget.isdigit() else budget)
+        tree, length = _default_trees().get(_drafter_name(drafter), TreeConfig()), args.draft_length
+        if size and mode == "tree":
+            tree = replace(tree, budget=int(size) if size.isdigit() else size)
+        elif size.isdigit():
+            length = int(size)
         cfg = DecodeConfig(
-            mode, verifier, args.num_drafts if mode == "iid" else 1, args.draft_length, args.temperature,
-            max_new_tokens=args.max_new_tokens, tree=tree,
+            mode, verifier, args.num_drafts if mode == "iid" else 1, length, args.temperature,
+            max_new_tokens=args.max_new_tokens, tree=tree, auto_length=size == "auto" and mode != "tree",
         )  # fmt: skip
         target = FeatureTarget(model, layers if mode not in ("autoregressive", "lookup") else None)
         out[method] = SpeculativeDecoder(target, drafter, cfg, eos)
@@ -150,7 +154,7 @@ def _drafter_name(drafter) -> str | None:
 
 
 def auto_budget_lines(decs: dict[str, dict[str, SpeculativeDecoder]]) -> list[str]:
-    """For every tree@auto decoder: the measured forward curve and the budgets it chose."""
+    """For every @auto decoder: the measured forward curve and the budgets (lengths) it chose."""
     lines = []
     for dt, per_dtype in decs.items():
         for m, dec in per_dtype.items():

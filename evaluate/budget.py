@@ -20,7 +20,16 @@ SmolLM2 costs ~2.4x a one-token step, on an H200 it costs about the same as one.
   loop's bookkeeping), the running mean of what the loop measured; it does not depend on B because the
   tree is grown to `max_budget` nodes before the choice.
 
-The chosen B maximises the model over 1 <= B <= the nodes drafted. Any ancestor-closed subtree of a
+The chosen B maximises the model over 1 <= B <= the nodes drafted.
+
+`draft_length=auto` (chain methods) applies the same model to a chain drafted token by token, where
+drafting is not sunk: each further token costs `draft_ms` (the running mean per drafted token), so
+
+    rate(L) = (1 + c * sum_{i<=L} a_i) / (fixed + L * draft_ms + forward(L + 1)),
+
+a_i the chain's cumulative draft probability up to token i. Drafting stops at `max_draft_length` or
+once even an optimistic next token (a_{L+1} = a_L) would not raise the best rate so far; the chain is
+then cut to its best length (its drafting paid, `choose_budget`). Any ancestor-closed subtree of a
 draft tree is a valid draft tree, so the choice changes speed only, never the output: greedy equality
 and the law of generations stay as they are (tests/evaluate/test_budget.py).
 """
@@ -91,7 +100,9 @@ class AutoBudget:
     predicted: float = 0.0
     fixed_total_ms: float = 0.0
     iterations: int = 0
-    chosen: list[int] = field(default_factory=list)  # B per iteration, for the report
+    chosen: list[int] = field(default_factory=list)  # B (or L) per iteration, for the report
+    drafted: int = 0  # chain tokens drafted so far, and their drafter seconds
+    draft_total_ms: float = 0.0
 
     @property
     def c(self) -> float:
@@ -109,6 +120,31 @@ class AutoBudget:
         b, _ = choose_budget(confidences, self.curve, self.fixed_ms, self.c)
         self.chosen.append(b)
         return b
+
+    @property
+    def draft_ms(self) -> float:
+        return self.draft_total_ms / self.drafted if self.drafted else 0.0
+
+    def _chain_rate(self, confidences: list[float], n: int) -> float:
+        gain = 1.0 + self.c * sum(confidences[:n])
+        return gain / (self.fixed_ms + n * self.draft_ms + self.curve(n + 1))
+
+    def draft_more(self, confidences: list[float]) -> bool:
+        """Chains: after drafting len(confidences) tokens, whether one more could raise the best rate."""
+        n = len(confidences)
+        best = max(self._chain_rate(confidences, m) for m in range(1, n + 1))
+        return self._chain_rate([*confidences, confidences[-1]], n + 1) > best
+
+    def choose_length(self, confidences: list[float]) -> int:
+        """Chains: the best length among the drafted tokens (their drafting is paid)."""
+        fixed = self.fixed_ms + len(confidences) * self.draft_ms
+        b, _ = choose_budget(confidences, self.curve, fixed, self.c)
+        self.chosen.append(b)
+        return b
+
+    def observe_drafting(self, tokens: int, seconds: float) -> None:
+        self.drafted += tokens
+        self.draft_total_ms += seconds * 1e3
 
     def observe(self, kept_scores: list[float], accepted: int, fixed_seconds: float) -> None:
         """After an iteration: the kept nodes' scores, how many nodes were accepted, and the iteration's

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
@@ -13,9 +14,9 @@ from specblock.data.target import TargetConfig
 
 from .adapt import AdaptConfig
 from .decode import DRAFTERLESS, MODES
-from .drafting import TreeConfig
+from .drafting import AUTO, TreeConfig
 from .lookup import LookupConfig
-from .verify import SINGLE_DRAFT, TREE_MODES, VERIFIERS
+from .verify import CROSS_ITERATION, SINGLE_DRAFT, TREE_MODES, VERIFIERS
 
 
 @dataclass
@@ -107,7 +108,11 @@ class EvalConfig:
     max_new_tokens: int = 64
     max_prompt_tokens: int = 512  # longer prompts keep their last tokens
     num_drafts: int = 4  # K for the iid methods (chain methods draft one)
-    draft_length: int = 4  # L for chain, iid and lookup
+    # L for chain, iid and lookup; or "auto": each chain method (with a verifier that carries no
+    # continuation) chooses its length per iteration up to max_draft_length (evaluate/budget.py), lookup
+    # drafts up to max_draft_length
+    draft_length: Any = 4
+    max_draft_length: int = 8
     temperature: float = 0.0
     top_p: float = 1.0
     trees: dict[str, TreeConfig] = field(default_factory=_default_trees)
@@ -137,6 +142,16 @@ class EvalConfig:
             raise ValueError(f"on_unavailable={self.on_unavailable!r} is not one of skip, error")
         if self.logger not in ("none", "wandb"):
             raise ValueError(f"logger={self.logger!r} is not one of none, wandb")
+        if self.draft_length != AUTO and not (isinstance(self.draft_length, int) and self.draft_length >= 1):
+            raise ValueError(f"draft_length must be an int >= 1 or {AUTO!r}, got {self.draft_length!r}")
+        fixed = [
+            m for m in self.methods if parse_method(m)[0] == "iid" or parse_method(m)[1] in CROSS_ITERATION
+        ]
+        if self.draft_length == AUTO and fixed:
+            raise ValueError(
+                f"draft_length=auto chooses a chain's length per iteration; {fixed} need a fixed draft_length "
+                "(iid drafts, or a verifier whose continuation spans L tokens)"
+            )
         if self.drafter_methods and not self.drafters:
             raise ValueError("speculative methods need at least one drafter (drafters: {name: folder})")
         missing = [name for name in self.drafters if name not in self.trees]

@@ -28,6 +28,7 @@ prefill phase (prompt forward, first token, the drafter's first advance) is kept
 from __future__ import annotations
 
 import inspect
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -80,6 +81,7 @@ class DecodeConfig:
     max_new_tokens: int = 64
     tree: TreeConfig = field(default_factory=TreeConfig)
     lookup: LookupConfig = field(default_factory=LookupConfig)
+    auto_length: bool = False  # chain: the length chosen per iteration (budget.py), draft_length the most
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -97,6 +99,11 @@ class DecodeConfig:
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             raise ValueError(
                 f"need temperature >= 0 and 0 < top_p <= 1, got {self.temperature}, {self.top_p}"
+            )
+        if self.auto_length and (self.mode != "chain" or self.verifier in CROSS_ITERATION):
+            raise ValueError(
+                f"draft_length=auto chooses a chain's length per iteration: not for {self.method} (use a "
+                "fixed draft_length for iid drafts and for verifiers whose continuation spans L tokens)"
             )
 
     @property
@@ -353,8 +360,11 @@ class SpeculativeDecoder:
         self.cross = cfg.mode in ("chain", "iid") and cfg.verifier in CROSS_ITERATION
         self.greedy = cfg.temperature == GREEDY
         # trees.<drafter>.budget=auto: the tree's size chosen per iteration from measured costs (budget.py)
-        self.auto = AutoBudget() if cfg.mode == "tree" and cfg.tree.budget == AUTO else None
+        auto_tree = cfg.mode == "tree" and cfg.tree.budget == AUTO
+        self.auto = AutoBudget() if auto_tree or cfg.auto_length else None
         self.calibration_seconds = 0.0  # the auto budget's one-time forward-curve measurement
+        self._scores: list[float] = []  # the kept draft's cumulative log-probs, for the auto calibration
+        self._variable_seconds = 0.0  # an auto chain's drafting seconds (budget.py models them per token)
         self.adapter = adapter  # evaluate/adapt.py: fed the verified positions, told when a request ends
 
     def _sample(self, logits: Tensor, gen: Sampler) -> int:
@@ -392,7 +402,8 @@ class SpeculativeDecoder:
         root = self.drafter.advance(features, after, 0)
         if self.auto is not None and self.auto.curve is None:  # once per decoder, off the clock
             t = time.perf_counter()
-            grid = [n for n in FORWARD_GRID if n <= self.cfg.tree.max_budget] + [self.cfg.tree.max_budget + 1]
+            most = self.cfg.tree.max_budget if self.cfg.mode == "tree" else self.cfg.draft_length
+            grid = [n for n in FORWARD_GRID if n <= most] + [most + 1]
             self.auto.curve = measure_forward_curve(self.target.probe, tuple(sorted(set(grid))))
             self.calibration_seconds = time.perf_counter() - t
             start += self.calibration_seconds
@@ -414,7 +425,8 @@ class SpeculativeDecoder:
             stats.seconds = time.perf_counter() - t0
             iterations.append(stats)
             if self.auto is not None:
-                self.auto.observe(self._scores, stats.accepted, stats.seconds - stats.target_seconds)
+                fixed = stats.seconds - stats.target_seconds - self._variable_seconds
+                self.auto.observe(self._scores, stats.accepted, fixed)
         result = Generation(
             out, iterations, self.target.calls, 1, time.perf_counter() - start, prefill_seconds,
             self.target.seconds - prefill_target, *prefill_draft, prefill_target,
@@ -440,11 +452,46 @@ class SpeculativeDecoder:
             # the point-mass draft law: one-hot rows [1, L', V] (verify/chain.py: accept w.p. q(x))
             probs = None if self.greedy else point_mass(tokens, self.target.target.vocab_size)
             return tree, tokens, probs, nodes
+        if cfg.auto_length:
+            return self._auto_chain(root, gen)
         k = cfg.num_drafts
         if self.greedy:  # identical argmax drafts: the chain once, copied; greedy_path reads no draft law
             tokens, probs = greedy_draft(root, cfg.draft_length).expand(k, -1), None
         else:
             tokens, probs = sample_drafts(root, k, cfg.draft_length, gen)
+        tree, nodes = drafts_tree(tokens.tolist())
+        return tree, tokens, probs, nodes
+
+    def _auto_chain(self, root: Root, gen: Sampler):
+        """draft_length=auto (budget.py): draft token by token while one more could raise the modelled
+        rate. At temperature 0 the chain is then cut to its best length; at temperature > 0 it is not, as
+        cutting after seeing a token would make keeping it depend on its value (and its verification
+        biased), while stopping depends on the tokens before only."""
+        y, rows, confidences, spent = (), [], [], self.drafter.cost.seconds
+        while len(y) < self.cfg.draft_length:
+            if self.greedy:  # the argmax, with its softmax probability as the confidence
+                probs = torch.softmax(root.logits([y])[0].float(), dim=-1)
+                index = int(probs.argmax())
+                token, p = int(root.session.d2t[index]), float(probs[index])
+            else:
+                law = root.law(y)
+                token = int(gen.categorical(law))
+                p = float(law[token])
+                rows.append(law)
+            y += (token,)
+            confidences.append(p * (confidences[-1] if confidences else 1.0))
+            if not self.auto.draft_more(confidences):
+                break
+        self._variable_seconds = self.drafter.cost.seconds - spent  # modelled per token, not as fixed
+        self.auto.observe_drafting(len(y), self._variable_seconds)
+        if may_cut_drafted_chain(self.greedy):
+            n = self.auto.choose_length(confidences)
+        else:
+            n = len(y)
+            self.auto.chosen.append(n)
+        self._scores = [math.log(max(a, 1e-300)) for a in confidences[:n]]
+        tokens = torch.tensor([y[:n]], dtype=torch.int64)
+        probs = torch.stack(rows[:n])[None] if rows else None
         tree, nodes = drafts_tree(tokens.tolist())
         return tree, tokens, probs, nodes
 
@@ -495,6 +542,13 @@ class SpeculativeDecoder:
         depth = max(tree.depth) if tokens is None else tokens.shape[1]
         stats = IterationStats(accepted, len(emitted), depth, calls, seconds, verify_seconds, target_seconds)
         return stats, emitted, new_root
+
+
+def may_cut_drafted_chain(greedy: bool) -> bool:
+    """Whether an auto-length chain may be cut back after drafting: only at temperature 0. When sampling,
+    keeping a drafted token must not depend on its value, or its verification is biased
+    (tests/evaluate/test_decode.py::test_exact_law_of_auto_draft_length shows it)."""
+    return greedy
 
 
 def _as_token_tree(tree: DraftTree) -> TokenTree:

@@ -32,7 +32,7 @@ from specblock.train.export import load_drafter
 from .adapt import Adapter
 from .config import EvalConfig, parse_method
 from .decode import DRAFTERLESS, DecodeConfig, Generation, SpeculativeDecoder
-from .drafting import TreeConfig
+from .drafting import AUTO, TreeConfig
 from .metrics import AUTOREGRESSIVE, Accumulator
 from .report import category_report, cost_table, markdown_report, plot_acceptance_at, records, write_jsonl
 
@@ -99,11 +99,13 @@ def load_set(cfg: EvalConfig, name: str):
 
 def decode_config(cfg: EvalConfig, method: str, drafter: str | None) -> DecodeConfig:
     mode, verifier = parse_method(method)
+    auto = cfg.draft_length == AUTO
     return DecodeConfig(
         mode=mode,
         verifier=verifier,
         num_drafts=cfg.num_drafts if mode == "iid" else 1,
-        draft_length=cfg.draft_length,
+        draft_length=cfg.max_draft_length if auto else cfg.draft_length,
+        auto_length=auto and mode == "chain",
         temperature=cfg.temperature,
         top_p=cfg.top_p,
         max_new_tokens=cfg.max_new_tokens,

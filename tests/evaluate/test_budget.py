@@ -53,3 +53,20 @@ def test_tree_budget_config():
     for bad in ("big", 0):
         with pytest.raises(ValueError, match="tree budget"):
             TreeConfig(budget=bad)
+
+
+def test_draft_length_auto_config():
+    from specblock.evaluate.run import decode_config
+
+    cfg = EvalConfig(
+        draft_length="auto", methods=["autoregressive", "chain-token", "chain-block", "lookup", "tree"]
+    )
+    chain, lookup = decode_config(cfg, "chain-token", "eagle3"), decode_config(cfg, "lookup", None)
+    assert chain.auto_length and chain.draft_length == cfg.max_draft_length == 8
+    assert not lookup.auto_length and lookup.draft_length == 8
+    assert not decode_config(EvalConfig(), "chain-token", "eagle3").auto_length
+    for methods in (["iid-spectr"], ["chain-greedy_block"]):
+        with pytest.raises(ValueError, match="need a fixed draft_length"):
+            EvalConfig(draft_length="auto", methods=methods)
+    with pytest.raises(ValueError, match="draft_length must be"):
+        EvalConfig(draft_length="long")

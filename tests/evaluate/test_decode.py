@@ -411,6 +411,57 @@ def test_exact_law_of_the_loop_with_continuations(exact_setup):
     assert max_error(loop_law(target, ds["specblock"], cfg, carry=False), ref) > 1e-3
 
 
+def frozen_auto(monkeypatch, ms_per_token: float):
+    """The auto length's choice made deterministic (exact enumeration replays the loop many times): a
+    fixed forward curve, no online updates of c, the fixed cost or the drafting cost."""
+    from specblock.evaluate import budget
+
+    curve = budget.ForwardCurve([1, 64], [10.0, 10.0 + 63 * ms_per_token])
+    monkeypatch.setattr(budget, "measure_forward_curve", lambda probe, grid: curve)
+    monkeypatch.setattr(decode_mod, "measure_forward_curve", lambda probe, grid: curve)
+    monkeypatch.setattr(budget.AutoBudget, "observe", lambda self, *a: None)
+    monkeypatch.setattr(budget.AutoBudget, "observe_drafting", lambda self, *a: None)
+
+
+def test_exact_law_of_auto_draft_length(exact_setup, monkeypatch):
+    """draft_length=auto at temperature > 0: drafting stops on the tokens before, never cutting a drafted
+    token on its own value, so the law of generations is the target's. (Cutting after seeing, as at
+    temperature 0, is biased in general: V = 2, p = (.5, .5), q = (.9, .1), keep x only if x = 1 gives
+    (.85, .15). On this target's top-p laws the cut rarely depends on the value: an error of 5e-8 only,
+    so it is not used as a negative control here.)"""
+    target, ds = exact_setup
+    frozen_auto(monkeypatch, ms_per_token=4.0)  # a forward that grows: chains of 1-3 tokens
+    ref = exact_law(target, 1.0, 0.5)
+    cfg = DecodeConfig("chain", "token", 1, 3, 1.0, 0.5, max_new_tokens=HORIZON, auto_length=True)
+    lengths = []
+    choose = decode_mod.AutoBudget.draft_more
+    monkeypatch.setattr(
+        decode_mod.AutoBudget, "draft_more", lambda self, c: lengths.append(len(c)) or choose(self, c)
+    )
+    assert max_error(loop_law(target, ds["eagle3"], cfg), ref) < 1e-6
+    assert 1 in lengths and 2 in lengths  # the rule stopped early and went on, depending on the draft
+
+
+@pytest.mark.parametrize("drafter", ["specblock", "eagle3"])
+@pytest.mark.parametrize("ms_per_token, length", [(0.0, 6), (50.0, 1)])
+def test_auto_draft_length_keeps_greedy_equality(greedy_setup, drafter, ms_per_token, length, monkeypatch):
+    """Free width drafts whole chains of max length, expensive width one token; both exact."""
+    target, ds = greedy_setup
+    frozen_auto(monkeypatch, ms_per_token)
+    ar = DecodeConfig(mode="autoregressive", temperature=0.0, max_new_tokens=20)
+    cfg = DecodeConfig("chain", "token", 1, 6, 0.0, max_new_tokens=20, auto_length=True)
+    dec = SpeculativeDecoder(target, ds[drafter], cfg)
+    for prompt in (PROMPT, [7, 2]):
+        assert dec.generate(prompt).tokens == SpeculativeDecoder(target, None, ar).generate(prompt).tokens
+    assert dec.auto.chosen and set(dec.auto.chosen) == {length}
+
+
+def test_auto_draft_length_is_refused_where_the_length_is_a_horizon():
+    for mode, verifier, k in (("iid", "spectr", 2), ("chain", "greedy_block", 1), ("tree", "token", 1)):
+        with pytest.raises(ValueError, match="draft_length=auto"):
+            DecodeConfig(mode, verifier, k, 4, auto_length=True)
+
+
 # ---------------------------------------------------------------- prompt lookup (no drafter)
 
 REPEATS = [3, 3, 4, 3, 3, 4, 3]  # prompts with repeated spans, so lookup finds drafts from the start
