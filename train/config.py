@@ -10,7 +10,7 @@ from specblock.data.config import PrepareConfig
 
 from .losses import LossConfig
 from .modeling import DRAFTER_CONFIGS
-from .strategies import StrategyConfig
+from .distill import StrategyConfig
 from .trainer import TrainerConfig
 
 FEATURE_MODES = ("online", "offline")

@@ -17,7 +17,7 @@ from specblock.data.capture import load_feature_rows
 from specblock.data.manifest import read_manifest
 from specblock.data.prepare import prepare
 from specblock.data.shards import TokenDataset
-from specblock.data.target import default_feature_layers, load_target, load_target_config
+from specblock.data.target import TargetHead, default_feature_layers, load_target, load_target_config
 
 from .batching import collate
 from .checkpoint import list_checkpoints, read_model_state, resolve_resume, step_dir
@@ -25,7 +25,7 @@ from .config import TrainConfig
 from .export import export_drafter, rebuild_drafter
 from .modeling import build_drafter, build_vocab_map, count_tokens
 from .serving import SERVING_EXPORTS, ServingExportError
-from .strategies import STRATEGIES
+from .distill import STRATEGIES
 from .strategy import DrafterStrategy
 from .tracking import is_main, log0
 from .trainer import fit
@@ -82,7 +82,7 @@ def build(cfg: TrainConfig) -> Built:
         target.get_output_embeddings().weight,
         d2t,
     )
-    head = target.get_output_embeddings().weight.detach().clone() if cfg.features == "offline" else None
+    head = TargetHead.of(target, copy=True) if cfg.features == "offline" else None
     teacher = target if cfg.features == "online" else None
     strategy = STRATEGIES[cfg.drafter.name](module, teacher, layers, cfg.loss, cfg.strategy, head)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

@@ -1,7 +1,6 @@
 """The training loop on a tiny strategy, one CPU process: schedules, accumulation equivalence,
 bit-exact resume, atomic checkpoints, trackers."""
 
-import importlib.util
 import logging
 import sys
 import time
@@ -18,12 +17,7 @@ from specblock.train.tracking import NullTracker, is_main, log0, make_tracker, r
 from specblock.train.checkpoint import EpochSampler
 from specblock.train.trainer import TrainerConfig, fit
 
-# The tiny strategy lives next to the distributed worker, which needs it too (no tests package).
-_spec = importlib.util.spec_from_file_location(
-    "specblock_tests_dist_worker", Path(__file__).with_name("dist_worker.py")
-)
-tiny = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(tiny)
+import tiny_strategy as tiny  # tests/support
 
 
 def params(module: nn.Module) -> dict[str, torch.Tensor]:
