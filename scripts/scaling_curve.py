@@ -22,7 +22,7 @@ from specblock.evaluate.config import EvalConfig
 from specblock.evaluate.report import read_jsonl
 from specblock.evaluate.run import evaluate
 from specblock.train.checkpoint import list_checkpoints, read_meta
-from specblock.train.run import export_from_checkpoint
+from specblock.train.export import export_from_checkpoint
 
 DATASETS = ["gsm8k", "humaneval", "mgsm", "lm1b", "alpaca"]
 

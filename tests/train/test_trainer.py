@@ -222,16 +222,6 @@ def test_epochs_sets_the_step_count(tmp_path):
     assert metrics["step"] == 9 and metrics["train/epoch"] == 1.5
 
 
-def test_export_state_dict_has_unwrapped_keys():
-    from accelerate import Accelerator
-
-    accelerator = Accelerator()
-    module = tiny.TinyStrategy().module
-    prepared = accelerator.prepare(module)
-    state = ckpt.export_state_dict(accelerator, prepared)
-    assert set(state) == set(module.state_dict())
-
-
 def test_strategy_metric_names_may_not_shadow_trainer_metrics(tmp_path):
     class Shadowing(tiny.TinyStrategy):
         def forward_loss(self, batch, step, epoch):
