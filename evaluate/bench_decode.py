@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -30,8 +30,9 @@ from transformers.cache_utils import DynamicCache
 from specblock.data.evalsets import prompt_ids
 from specblock.data.target import DEFAULT_TARGET_DIR, DTYPES, FeatureTarget, TargetConfig, load_target
 
-from .config import EvalConfig, parse_method
+from .config import EvalConfig, _default_trees, parse_method
 from .decode import DecodeConfig, Generation, SpeculativeDecoder, TargetSession
+from .drafting import TreeConfig
 from .metrics import AUTOREGRESSIVE, ratio
 from .run import eos_ids, load_set
 
@@ -129,14 +130,41 @@ def decoders(args, model, eos: list[int]) -> dict[str, SpeculativeDecoder]:
         if method == HF_GREEDY:
             out[method] = HFGreedy(model, args.max_new_tokens, eos)
             continue
-        mode, verifier = parse_method(method)
+        name, _, budget = method.partition("@")  # tree@16, tree@auto: the tree's budget
+        mode, verifier = parse_method(name)
+        tree = _default_trees().get(_drafter_name(drafter), TreeConfig())
+        if budget:
+            tree = replace(tree, budget=int(budget) if budget.isdigit() else budget)
         cfg = DecodeConfig(
             mode, verifier, args.num_drafts if mode == "iid" else 1, args.draft_length, args.temperature,
-            max_new_tokens=args.max_new_tokens,
+            max_new_tokens=args.max_new_tokens, tree=tree,
         )  # fmt: skip
         target = FeatureTarget(model, layers if mode not in ("autoregressive", "lookup") else None)
         out[method] = SpeculativeDecoder(target, drafter, cfg, eos)
     return out
+
+
+def _drafter_name(drafter) -> str | None:
+    """specblock / eagle3 for the evaluation app's default tree shapes (config._default_trees)."""
+    return {"SpecBlockDrafter": "specblock", "Eagle3Drafter": "eagle3"}.get(type(drafter).__name__)
+
+
+def auto_budget_lines(decs: dict[str, dict[str, SpeculativeDecoder]]) -> list[str]:
+    """For every tree@auto decoder: the measured forward curve and the budgets it chose."""
+    lines = []
+    for dt, per_dtype in decs.items():
+        for m, dec in per_dtype.items():
+            auto = getattr(dec, "auto", None)
+            if auto is None or auto.curve is None:
+                continue
+            curve = ", ".join(f"{n}: {ms:.0f}" for n, ms in zip(auto.curve.sizes, auto.curve.ms))
+            mean = statistics.mean(auto.chosen) if auto.chosen else float("nan")
+            lines.append(
+                f"{dt} {m}: forward ms by tokens fed {{{curve}}} (measured in {dec.calibration_seconds:.1f} s); "
+                f"budget chosen: mean {mean:.1f}, min {min(auto.chosen)}, max {max(auto.chosen)} over "
+                f"{len(auto.chosen)} iterations; calibration c = {auto.c:.2f}, fixed {auto.fixed_ms:.1f} ms"
+            )
+    return lines
 
 
 def run_decoding(args, models: dict[str, torch.nn.Module], eos, prompts) -> dict[tuple[str, str], Split]:
@@ -160,6 +188,8 @@ def run_decoding(args, models: dict[str, torch.nn.Module], eos, prompts) -> dict
                     totals[(dt, m)][1] += g.seconds
         for key, (n, s) in totals.items():
             splits[key].runs.append((n, s))
+    for line in auto_budget_lines(decs):
+        print(line)
     return splits
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -36,6 +37,7 @@ from specblock.train.modeling.eagle3 import Eagle3Drafter
 from specblock.train.modeling.specblock import SpecBlockDrafter
 
 Prefix = tuple[int, ...]
+AUTO = "auto"  # TreeConfig.budget: chosen per iteration (evaluate/budget.py)
 
 
 @dataclass
@@ -123,12 +125,18 @@ class Root:
         return torch.stack([self.session.logits_after(self, y) for y in prefixes])
 
     def law(self, prefix: Prefix) -> Tensor:
-        """[V] draft law (temperature / top-p applied) after `prefix`, over the target vocabulary, float64."""
-        if prefix not in self._law:
+        """[V] draft law (temperature / top-p applied) after `prefix`, over the target vocabulary, float32
+        (the verifiers accumulate their scalars in float64); memoised per `session.law_key`."""
+        key = self.session.law_key(prefix)
+        if key not in self._law:
             logits = self.logits([prefix])[0]
-            law = next_token_law(logits, self.session.temperature, self.session.top_p).double()
-            self._law[prefix] = scatter_law(law, self.session.d2t, self.session.vocab_size)
-        return self._law[prefix]
+            law = next_token_law(logits, self.session.temperature, self.session.top_p)
+            self._law[key] = scatter_law(law, self.session.d2t, self.session.vocab_size)
+        return self._law[key]
+
+    def prefetch(self, prefixes: list[Prefix]) -> None:
+        """Compute the states the laws after `prefixes` need, one batched drafter call per missing depth."""
+        self._ensure(prefixes)
 
     def _ensure(self, prefixes: list[Prefix]) -> None:
         need = sorted({k for y in prefixes for k in self.session.keys_for(y)}, key=len)
@@ -173,6 +181,10 @@ class DrafterSession:
         """The state keys (prefixes) that computing the law after `prefix` needs, shallow to deep."""
         raise NotImplementedError
 
+    def law_key(self, prefix: Prefix) -> tuple:
+        """Prefixes with equal keys have the same draft law (memoised once per key)."""
+        return prefix
+
     def compute(self, root: Root, keys: list[Prefix]) -> dict[Prefix, tuple]:
         """One batched drafter call computing the states of `keys` (all of one depth)."""
         raise NotImplementedError
@@ -203,6 +215,11 @@ class SpecBlockSession(DrafterSession):
 
     def keys_for(self, prefix: Prefix) -> list[Prefix]:
         return [prefix[: b * self.K] for b in range(len(prefix) // self.K + 1)]
+
+    def law_key(self, prefix: Prefix) -> tuple:
+        # the law at depth i reads slot i % K of the block started after prefix[:i // K * K]
+        cut = len(prefix) // self.K * self.K
+        return prefix[:cut], len(prefix) - cut
 
     def compute(self, root: Root, keys: list[Prefix]) -> dict[Prefix, tuple]:
         K = self.K
@@ -291,7 +308,7 @@ def make_session(
 def sample_drafts(root: Root, num_drafts: int, length: int, sampler):
     """K i.i.d. drafts of L tokens from the draft law, depth by depth (one batched call per new depth),
     drawn with `sampler` (verify/sampling.py).
-    Returns tokens [K, L] int64 (target ids) and draft_probs [K, L, V] float64."""
+    Returns tokens [K, L] int64 (target ids) and draft_probs [K, L, V] float32."""
     drafts: list[list[int]] = [[] for _ in range(num_drafts)]
     rows: list[list[Tensor]] = [[] for _ in range(num_drafts)]
     for _ in range(length):
@@ -330,16 +347,29 @@ def drafts_tree(tokens: list[list[int]]) -> tuple[DraftTree, list[list[int]]]:
 
 @dataclass
 class TreeConfig:
-    """budget: draft tokens kept (the root not counted); steps: block (SpecBlock) or step (EAGLE) rounds;
-    beam: leaves expanded per round; topk: EAGLE children per node and SpecBlock slot-0 cap;
+    """budget: draft tokens kept (the root not counted), or "auto": chosen per iteration by the cost model
+    of evaluate/budget.py among the `max_budget` best nodes; steps: block (SpecBlock) or step (EAGLE)
+    rounds; beam: leaves expanded per round; topk: EAGLE children per node and SpecBlock slot-0 cap;
     topk_per_class: SpecBlock branching per predicted rank class (0 = stop the block there); default the
     authors' release preset (2, 4, 6, 4) (docs/specblock.md 1.3), which never gives up a slot."""
 
-    budget: int = 32
+    budget: Any = 32  # int >= 1 or "auto"
+    max_budget: int = 64
     steps: int = 2
     beam: int = 10
     topk: int = 10
     topk_per_class: list[int] = field(default_factory=lambda: list(RELEASE_TOPK_PER_CLASS))
+
+    def __post_init__(self):
+        if self.budget != AUTO and not (isinstance(self.budget, int) and self.budget >= 1):
+            raise ValueError(f"tree budget must be an int >= 1 or {AUTO!r}, got {self.budget!r}")
+        if self.max_budget < 1:
+            raise ValueError(f"tree max_budget must be >= 1, got {self.max_budget}")
+
+    @property
+    def drafted(self) -> int:
+        """The nodes a tree is pruned to when it is drafted (the auto choice prunes further)."""
+        return self.max_budget if self.budget == AUTO else self.budget
 
 
 def _draft_logprobs(logits: Tensor) -> Tensor:
@@ -388,7 +418,7 @@ def specblock_tree(root: Root, cfg: TreeConfig) -> DraftTree:
             (n, logits[i], hidden[i], cache.rows(torch.tensor([i])), rank[i], int(offsets[i]))
             for i, (_, n, _, _) in enumerate(pending)
         ]
-    return tree.pruned(cfg.budget)[0]
+    return tree.pruned(cfg.drafted)[0]
 
 
 def _leaf_caches(sources: list[tuple[DraftCache, int, int]]) -> DraftCache:
@@ -420,4 +450,4 @@ def eagle_tree(root: Root, cfg: TreeConfig) -> DraftTree:
                 node_of[y + (t,)] = n
                 layer.append((tree.score[n], n, y + (t,)))
         frontier = [y for _, _, y in sorted(layer, key=lambda e: (-e[0], e[1]))[: cfg.beam]]
-    return tree.pruned(cfg.budget)[0]
+    return tree.pruned(cfg.drafted)[0]

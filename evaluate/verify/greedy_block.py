@@ -164,6 +164,11 @@ class RGBVContinuation:
         """Equal keys give equal laws: a stage only matters through its accepted tokens."""
         return (self.horizon, tuple(st.tokens[: st.accepted] for st in self.stages))
 
+    def reads_draft(self, prefix: tuple[int, ...]) -> bool:
+        """Whether the law after `prefix` may read draft laws (along it): not past the horizon, nor after
+        a prefix of probability 0 (committed_reach), where the plain target is returned."""
+        return len(prefix) < self.horizon and committed_reach(self.stages, prefix) >= len(prefix)
+
     def __call__(
         self, prefix: tuple[int, ...], target_probs_at: LawAt, draft_probs_at: LawAt
     ) -> torch.Tensor:

@@ -3,7 +3,9 @@ verifier, and statistical fidelity (the law of generated sequences = the target'
 
 from __future__ import annotations
 
+import copy
 import math
+import time
 
 import pytest
 import torch
@@ -84,6 +86,26 @@ def test_greedy_equals_target_greedy(greedy_setup, drafter, mode, verifier, k):
         assert sum(it.emitted for it in out.iterations) + 1 == len(out.tokens)
 
 
+@pytest.mark.parametrize("drafter", ["specblock", "eagle3"])
+def test_auto_tree_budget_keeps_greedy_equality(greedy_setup, drafter):
+    """The probe forwards leave the KV cache as they found it and count no call; any subtree the choice
+    keeps is a valid draft tree, so the output is the target's greedy decoding."""
+    target, ds = greedy_setup
+    ar = DecodeConfig(mode="autoregressive", temperature=0.0, max_new_tokens=20)
+    tree = TreeConfig(budget="auto", max_budget=12, steps=2, beam=4, topk=4)
+    dec = SpeculativeDecoder(
+        target, ds[drafter], DecodeConfig("tree", temperature=0.0, max_new_tokens=20, tree=tree)
+    )
+    for prompt in (PROMPT, [7, 2]):
+        ref = SpeculativeDecoder(target, None, ar).generate(prompt)
+        out = dec.generate(prompt)
+        assert out.tokens == ref.tokens
+        assert out.target_calls == out.prefill_calls + len(out.iterations)
+    assert dec.auto.curve is not None and dec.calibration_seconds > 0
+    assert dec.auto.curve.sizes[-1] == 13 and len(dec.auto.chosen) == dec.auto.iterations
+    assert all(1 <= b <= 12 for b in dec.auto.chosen)
+
+
 def test_greedy_equality_with_an_accurate_drafter(greedy_setup):
     """A drafter that copies the target's greedy choices (through a wrapper) gets whole blocks
     accepted: the accepted paths, the kept KV entries and the bonus tokens all go through."""
@@ -119,6 +141,9 @@ class OracleRoot:
             return out
 
         drafting.Root.logits = logits
+        # the patched law depends on the whole prefix, also within a SpecBlock block: memoise per prefix
+        self.saved.append((drafting.SpecBlockSession, "law_key", drafting.SpecBlockSession.law_key))
+        drafting.SpecBlockSession.law_key = lambda sess, prefix: prefix
         for cls in (drafting.SpecBlockSession, drafting.Eagle3Session):
             adv = cls.advance
             self.saved.append((cls, "advance", adv))
@@ -328,8 +353,8 @@ def test_decode_config_errors():
 # ---------------------------------------------------------------- exact law of the real loop
 
 
-@pytest.fixture(scope="module")
-def exact_setup():
+@pytest.fixture
+def exact_setup():  # function scope: its patch of the drafting code must not outlive its test
     """A 24-token target whose top-p 0.5 law leaves 38 three-token sequences, and a draft law near the
     target's (its logits plus fixed noise, patched over the real drafter's output) so that blocks are
     often accepted in part: the case where a missing continuation shows."""
@@ -433,3 +458,59 @@ def test_exact_law_of_lookup_catches_a_lossy_verifier(monkeypatch):
     monkeypatch.setitem(verify_base.VERIFIERS, "token", accept_all)
     cfg = DecodeConfig("lookup", draft_length=2, temperature=1.0, top_p=0.5, max_new_tokens=HORIZON)
     assert max_error(loop_law(target, None, cfg, prompt=prompt), exact_law(target, 1.0, 0.5, prompt)) > 1e-3
+
+
+# ---------------------------------------------------------------- the continuation's costs
+
+
+def test_continuation_draft_laws_come_prefetched_and_count_as_drafting(greedy_setup, monkeypatch):
+    """SpecTr-GBV with EAGLE-3 at T > 0: the continuation reads the old root's draft laws beyond the old
+    drafts. They are computed before the laws are asked for, in batched drafter calls (none happens inside
+    LawBook.law), and their time counts as drafting only: an iteration's drafting + target + verification
+    never exceeds its wall time (each drafter call here sleeps 20 ms, so double counting would show)."""
+    target, ds = greedy_setup
+    inside = {"law": 0, "prefetch": 0}
+
+    def counting(name, fn):
+        def wrapped(book, *args):
+            dec_calls = dec.drafter.cost.calls
+            out = fn(book, *args)
+            inside[name] += dec.drafter.cost.calls - dec_calls
+            return out
+
+        return wrapped
+
+    drafter = copy.deepcopy(ds["eagle3"])
+    with torch.no_grad():  # a worse drafter: blocks rejected in part, so continuations stay in force
+        drafter.lm_head.weight.add_(
+            torch.randn(drafter.lm_head.weight.shape, generator=torch.Generator().manual_seed(0))
+        )
+    step = drafter.draft_step
+    drafter.draft_step = lambda *a, **k: time.sleep(0.02) or step(*a, **k)  # inside the drafter's timer
+    cfg = DecodeConfig("iid", "spectr_gbv", 3, 3, 1.0, max_new_tokens=12)
+    dec = SpeculativeDecoder(target, drafter, cfg)
+    monkeypatch.setattr(decode_mod.LawBook, "law", counting("law", decode_mod.LawBook.law))
+    monkeypatch.setattr(decode_mod.LawBook, "prefetch", counting("prefetch", decode_mod.LawBook.prefetch))
+    g = dec.generate(PROMPT, seed=0)
+    assert inside["prefetch"] > 0 and inside["law"] == 0
+    for it in g.iterations:
+        assert it.drafter_seconds + it.target_seconds + it.verify_seconds <= it.seconds + 1e-6
+
+    monkeypatch.setattr(decode_mod.LawBook, "prefetch", lambda book, queries: None)  # the negative control
+    inside.update(law=0)
+    dec.generate(PROMPT, seed=0)
+    assert inside["law"] > 0
+
+
+def test_specblock_draft_laws_are_formed_once_per_slot(greedy_setup, monkeypatch):
+    """Within a block a SpecBlock slot's law does not depend on the sampled tokens before it: the [V] law
+    is formed once per (block, slot), not once per prefix."""
+    from specblock.evaluate import drafting
+
+    target, ds = greedy_setup
+    formed = []
+    scatter = drafting.scatter_law
+    monkeypatch.setattr(drafting, "scatter_law", lambda *a: formed.append(1) or scatter(*a))
+    cfg = DecodeConfig("iid", "spectr", 4, 3, 1.0, max_new_tokens=2)  # one iteration: 4 drafts in one block
+    g = SpeculativeDecoder(target, ds["specblock"], cfg).generate(PROMPT, seed=0)
+    assert len(g.iterations) == 1 and len(formed) == 3  # one law per slot (block_size 3), not per prefix

@@ -1,0 +1,119 @@
+"""`trees.<drafter>.budget=auto`: the draft tree's size chosen per iteration from measured costs.
+
+A fixed budget (EAGLE-2 and SpecBlock ship 60-90 tokens, tuned for one GPU) is wrong on a machine where
+a wide forward costs much more than a narrow one: on this 2-core CPU a 33-token float32 forward of
+SmolLM2 costs ~2.4x a one-token step, on an H200 it costs about the same as one. The model here:
+
+    tokens per second(B) = (1 + c * sum_{i <= B} a_i) / (fixed + forward(B + 1))
+
+- a_i: the i-th best node's cumulative draft probability exp(score) (nodes sorted as `DraftTree.pruned`
+  sorts them, so every prefix of the order is ancestor-closed). EAGLE-2's observation: a node's draft
+  confidence tracks the chance that the target accepts the path to it. At temperature 0 the expected
+  number of accepted nodes of a tree is the sum over nodes of the chance that the target's greedy path
+  passes through them, which c * a_i estimates.
+- c: a calibration factor learned online, (prior + accepted) / (prior + predicted) over the iterations
+  so far (accepted: nodes the verifier accepted; predicted: sum of a_i over the nodes drafted), so an
+  over-confident drafter gets smaller trees; clipped to [C_MIN, C_MAX].
+- forward(n): the target forward over n tokens after the committed cache, measured once per decoder on
+  the first prompt's cache (FORWARD_GRID, median of `repeats`), interpolated linearly in between.
+- fixed: the iteration's cost outside the target forward (drafting the full tree, verification, the
+  loop's bookkeeping), the running mean of what the loop measured; it does not depend on B because the
+  tree is grown to `max_budget` nodes before the choice.
+
+The chosen B maximises the model over 1 <= B <= the nodes drafted. Any ancestor-closed subtree of a
+draft tree is a valid draft tree, so the choice changes speed only, never the output: greedy equality
+and the law of generations stay as they are (tests/evaluate/test_budget.py).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+from typing import Callable
+
+FORWARD_GRID = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
+C_MIN, C_MAX = 0.05, 2.0
+PRIOR = 4.0  # pseudo-counts behind c = 1 before any iteration
+
+
+@dataclass
+class ForwardCurve:
+    """ms of one target forward against the tokens fed (sizes ascending), linear in between and beyond."""
+
+    sizes: list[int]
+    ms: list[float]
+
+    def __call__(self, n: int) -> float:
+        s, t = self.sizes, self.ms
+        if len(s) == 1:
+            return t[0]
+        i = next((j for j in range(1, len(s)) if n <= s[j]), len(s) - 1)
+        return t[i - 1] + (t[i] - t[i - 1]) * (n - s[i - 1]) / (s[i] - s[i - 1])
+
+
+def measure_forward_curve(
+    forward: Callable[[int], float], grid: tuple[int, ...] = FORWARD_GRID, repeats: int = 3
+) -> ForwardCurve:
+    """`forward(n)` runs one target forward over n tokens (restoring the cache) and returns its seconds.
+    The grid is walked `repeats` times, interleaved, and each size keeps its median."""
+    times: dict[int, list[float]] = {n: [] for n in grid}
+    for _ in range(repeats):
+        for n in grid:
+            times[n].append(forward(n) * 1e3)
+    ms = [statistics.median(times[n]) for n in grid]
+    for i in range(1, len(ms)):  # a wider forward never costs less: noise must not invert the model
+        ms[i] = max(ms[i], ms[i - 1])
+    return ForwardCurve(list(grid), ms)
+
+
+def choose_budget(
+    confidences: list[float], forward: Callable[[int], float], fixed_ms: float, c: float = 1.0
+) -> tuple[int, float]:
+    """The budget B (1 <= B <= len(confidences)) maximising (1 + c * sum_{i<=B} a_i) / (fixed_ms +
+    forward(B + 1)); confidences a_i in the pruning order (best first). Returns (B, expected tokens per
+    ms at B)."""
+    best, best_rate, gain = 1, -1.0, 1.0
+    for b, a in enumerate(confidences, start=1):
+        gain += c * a
+        rate = gain / (fixed_ms + forward(b + 1))
+        if rate > best_rate:
+            best, best_rate = b, rate
+    return best, best_rate
+
+
+@dataclass
+class AutoBudget:
+    """The online state of the choice for one decoder: the forward curve, c and the fixed cost."""
+
+    curve: ForwardCurve | None = None
+    accepted: float = 0.0
+    predicted: float = 0.0
+    fixed_total_ms: float = 0.0
+    iterations: int = 0
+    chosen: list[int] = field(default_factory=list)  # B per iteration, for the report
+
+    @property
+    def c(self) -> float:
+        return min(C_MAX, max(C_MIN, (PRIOR + self.accepted) / (PRIOR + self.predicted)))
+
+    @property
+    def fixed_ms(self) -> float:
+        return self.fixed_total_ms / self.iterations if self.iterations else 0.0
+
+    def choose(self, scores: list[float]) -> int:
+        """scores: cumulative draft log-probs of the drafted nodes (root excluded), any order."""
+        confidences = sorted((math.exp(s) for s in scores), reverse=True)
+        if not confidences:
+            return 0
+        b, _ = choose_budget(confidences, self.curve, self.fixed_ms, self.c)
+        self.chosen.append(b)
+        return b
+
+    def observe(self, kept_scores: list[float], accepted: int, fixed_seconds: float) -> None:
+        """After an iteration: the kept nodes' scores, how many nodes were accepted, and the iteration's
+        seconds outside the target forward."""
+        self.predicted += sum(math.exp(s) for s in kept_scores)
+        self.accepted += accepted
+        self.fixed_total_ms += fixed_seconds * 1e3
+        self.iterations += 1

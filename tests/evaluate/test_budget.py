@@ -1,0 +1,55 @@
+"""The auto tree budget's cost model: its choice and its online calibration (the loop: test_decode.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from omegaconf import OmegaConf
+
+from specblock.evaluate.budget import AutoBudget, ForwardCurve, choose_budget, measure_forward_curve
+from specblock.evaluate.config import EvalConfig
+from specblock.evaluate.drafting import TreeConfig
+
+
+def test_forward_curve_interpolates_and_never_decreases():
+    samples = iter([10.0, 30.0, 20.0] * 3)  # size 4 measured faster than size 2: noise, flattened
+    curve = measure_forward_curve(lambda n: next(samples) / 1e3, grid=(1, 2, 4), repeats=3)
+    assert curve.ms == [10.0, 30.0, 30.0]
+    line = ForwardCurve([1, 9], [10.0, 50.0])
+    assert line(1) == 10.0 and line(5) == 30.0 and line(13) == 70.0  # linear inside and beyond
+
+
+def test_choose_budget_stops_where_a_wider_forward_stops_paying():
+    conf = [0.9, 0.8, 0.5, 0.3, 0.2, 0.1, 0.05, 0.05]
+    flat = ForwardCurve([1, 64], [50.0, 50.0])  # a GPU: width is free -> everything
+    assert choose_budget(conf, flat, fixed_ms=5.0)[0] == len(conf)
+    # a CPU: each token fed costs 10 ms more -> only nodes worth more than their cost
+    steep = ForwardCurve([1, 64], [50.0, 680.0])
+    b, rate = choose_budget(conf, steep, fixed_ms=5.0)
+    rates = [(1 + sum(conf[:k])) / (5.0 + steep(k + 1)) for k in range(1, len(conf) + 1)]
+    assert b == 1 + max(range(len(rates)), key=rates.__getitem__) and math.isclose(rate, max(rates))
+    assert 1 < b < len(conf)
+    # a drafter known to be over-confident (c < 1) gets a smaller tree
+    assert choose_budget(conf, steep, fixed_ms=5.0, c=0.2)[0] < b
+
+
+def test_auto_budget_learns_its_calibration_online():
+    auto = AutoBudget(curve=ForwardCurve([1, 64], [50.0, 680.0]))
+    scores = [math.log(a) for a in (0.9, 0.8, 0.5, 0.3, 0.2, 0.1)]
+    first = auto.choose(scores)
+    for _ in range(20):  # predicted ~2.8 accepted nodes per iteration, none accepted
+        auto.observe(scores, accepted=0, fixed_seconds=0.005)
+    assert auto.c < 0.1 and auto.fixed_ms == pytest.approx(5.0)
+    assert auto.choose(scores) < first and auto.chosen == [first, auto.chosen[-1]]
+
+
+def test_tree_budget_config():
+    cfg = OmegaConf.to_object(
+        OmegaConf.merge(OmegaConf.structured(EvalConfig), {"trees": {"specblock": {"budget": "auto"}}})
+    )
+    assert cfg.trees["specblock"].budget == "auto" and cfg.trees["specblock"].drafted == 64
+    assert TreeConfig(budget=16).drafted == 16
+    for bad in ("big", 0):
+        with pytest.raises(ValueError, match="tree budget"):
+            TreeConfig(budget=bad)
