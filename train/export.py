@@ -28,6 +28,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from specblock.data.errors import exit_on_user_error
 from specblock.data.io import atomic_path
+from specblock.data.logs import setup_logging
 from specblock.data.target import default_feature_layers, load_target_config
 
 from .checkpoint import read_model_state, resolve_resume
@@ -196,6 +197,7 @@ def export_from_checkpoint(run_dir: Path, step: str = "latest", out: str | None 
 
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> None:
+    setup_logging()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run", required=True, help="a training run folder (holds config.yaml and step_XXXXXX/)")
     ap.add_argument("--step", default="latest", help="'latest' or a step folder name")

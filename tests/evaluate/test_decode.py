@@ -9,19 +9,15 @@ import time
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from specblock.data.target import FeatureTarget
 from specblock.evaluate import decode as decode_mod
 from specblock.evaluate.decode import DecodeConfig, SpeculativeDecoder, TargetSession, greedy_path
 from specblock.evaluate.drafting import DraftTree, TreeConfig, drafts_tree
-from specblock.evaluate.laws import next_token_law
 from specblock.evaluate.verify import VerifyOutput
 from specblock.evaluate.verify.exact import enumerate_outcomes
 from specblock.evaluate.verify import base as verify_base
-from specblock.train.modeling import build_drafter
-from specblock.train.modeling.eagle3 import Eagle3Config
-from specblock.train.modeling.specblock import SpecBlockConfig
+
+from tiny_decoding import HORIZON, PROMPT, VOCAB, drafters, exact_law, tiny_target
 
 SCHEMES = [  # (mode, verifier, num_drafts)
     ("chain", "token", 1),
@@ -33,36 +29,6 @@ SCHEMES = [  # (mode, verifier, num_drafts)
     ("iid", "greedy", 2),
     ("tree", "token", 1),
 ]
-PROMPT = [1, 5, 9, 3]
-
-
-def tiny_target(vocab: int, sharpen: float, seed: int = 0) -> FeatureTarget:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():  # a peaked target: a few likely continuations, so few samples test its law
-        model.lm_head.weight.mul_(sharpen)
-    return FeatureTarget(model)
-
-
-def drafters(target: FeatureTarget, seed: int = 1):
-    torch.manual_seed(seed)
-    m = target.model
-    emb, head = m.get_input_embeddings().weight, m.get_output_embeddings().weight
-    sb = SpecBlockConfig(block_size=3, num_layers=2, rank_hidden=16)
-    return {
-        "specblock": build_drafter("specblock", sb, m.config, emb, head * 0.7).eval(),
-        "eagle3": build_drafter("eagle3", Eagle3Config(ttt_length=3), m.config, emb, head * 0.7).eval(),
-    }
 
 
 @pytest.fixture(scope="module")
@@ -178,22 +144,7 @@ class OracleRoot:
 
 # ---------------------------------------------------------------- statistical fidelity
 
-VOCAB, HORIZON, SAMPLES = 24, 3, 1200
-
-
-def exact_law(target: FeatureTarget, temperature: float, top_p: float, prompt=PROMPT) -> dict[tuple, float]:
-    """The target's law of the first HORIZON new tokens after `prompt`, by enumeration."""
-    law = {(): 1.0}
-    for _ in range(HORIZON):
-        seqs = list(law)
-        ids = torch.tensor([prompt + list(s) for s in seqs])
-        with torch.no_grad():
-            logits = target.model(ids).logits[:, -1].float()
-        probs = next_token_law(logits, temperature, top_p).double()
-        law = {
-            s + (t,): law[s] * float(probs[i, t]) for i, s in enumerate(seqs) for t in range(probs.shape[1])
-        }
-    return law
+SAMPLES = 1200
 
 
 def chi_square_pvalue(counts: dict[tuple, int], law: dict[tuple, float], n: int) -> float:
