@@ -195,6 +195,7 @@ FIDELITY = [  # (drafter, mode, verifier, K, L, temperature, top_p)
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("drafter,mode,verifier,k,length,temperature,top_p", FIDELITY)
 def test_generated_law_matches_target(fidelity_setup, drafter, mode, verifier, k, length, temperature, top_p):
     target, ds = fidelity_setup
@@ -204,6 +205,7 @@ def test_generated_law_matches_target(fidelity_setup, drafter, mode, verifier, k
     assert chi_square_pvalue(counts, exact_law(target, temperature, top_p), SAMPLES) > 1e-4
 
 
+@pytest.mark.slow
 def test_fidelity_check_catches_a_lossy_verifier(fidelity_setup, monkeypatch):
     """Negative control: a verifier that accepts every draft token outputs the draft's law, and the
     same statistic rejects it."""
@@ -351,6 +353,7 @@ def max_error(a: dict, b: dict) -> float:
     return max(abs(a.get(x, 0.0) - b.get(x, 0.0)) for x in set(a) | set(b))
 
 
+@pytest.mark.slow
 def test_exact_law_of_the_loop_with_continuations(exact_setup):
     """greedy_block through the real loop (KV caches, tree forward, LawBook continuations): the law of
     three generated tokens equals the target's to float precision; with the continuation dropped it

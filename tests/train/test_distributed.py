@@ -22,7 +22,7 @@ from specblock.train.trainer import fit
 
 import tiny_strategy as tiny
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # real launches: 12-25 s each
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = REPO / "tests" / "support" / "tiny_strategy.py"

@@ -13,7 +13,7 @@ import pytest
 
 from specblock.train.export import load_drafter
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # real launches: 12-25 s each
 REPO = Path(__file__).resolve().parents[2]
 ACCELERATE = Path(sys.executable).with_name("accelerate")
 
