@@ -1,6 +1,7 @@
 """`accelerate launch -m specblock.train` for real: 2 CPU processes, DDP and DeepSpeed ZeRO-2 and ZeRO-3
 (gloo), on a tiny random target saved to disk; each run trains, checkpoints and exports a drafter that
-loads."""
+loads. Accumulation 2: the trainer's count pass (the later micro-batch's loss counts, without gradients)
+runs through the DDP / DeepSpeed wrappers of the real drafters."""
 
 import json
 import os
@@ -66,6 +67,8 @@ def test_accelerate_launch_trains_on_two_cpu_processes(zero, tiny_chat, tmp_path
         "drafter.draft_vocab_size=24",
         "drafter.rank_hidden=16",
         "trainer.max_steps=4",
+        "trainer.micro_batch_size=2",
+        "trainer.grad_accum=2",
         "trainer.save_every=2",
         "trainer.log_every=1",
     ]
