@@ -8,6 +8,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from .errors import exit_on_user_error
+from .logs import setup_logging
 
 from .config import PrepareAppConfig, register_configs
 from .prepare import prepare
@@ -19,6 +20,7 @@ register_configs()
 @hydra.main(config_path="pkg://specblock.configs", config_name="prepare", version_base=None)
 @exit_on_user_error
 def main(cfg: DictConfig) -> None:
+    setup_logging()
     config: PrepareAppConfig = OmegaConf.to_object(cfg)
     prepare(config.data, launched_world())
 

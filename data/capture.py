@@ -26,6 +26,7 @@ import functools
 import hashlib
 import itertools
 import json
+import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +54,8 @@ from .manifest import (
 )
 from .target import FeatureTarget
 from .world import World
+
+log = logging.getLogger(__name__)
 
 FEATURE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 # 128 rows x 2k tokens x 4 states x 576 x 2 B is ~1.2 GB for SmolLM2: big enough that shard overhead is
@@ -152,7 +155,7 @@ def plan_capture(rows: Sequence[Mapping], cfg: CaptureConfig, vocab_size: int, s
         plan.lengths.append(min(length, cfg.max_length))
         plan.truncated += length > cfg.max_length
     if policy.total_skipped:
-        print(f"capture: {policy.summary()}")
+        log.info(f"capture: {policy.summary()}")
     return plan
 
 
@@ -161,7 +164,7 @@ def check_size(plan: CapturePlan, target: FeatureTarget, cfg: CaptureConfig) -> 
     per_token = bytes_per_token(len(target.feature_layers), target.hidden_size, cfg.dtype)
     total = plan.num_tokens * per_token
     itemsize, layers = FEATURE_DTYPES[cfg.dtype].itemsize, len(target.feature_layers)
-    print(
+    log.info(
         f"capture: {len(plan.indices)} rows, {plan.num_tokens} tokens x ({layers} layers + final) x "
         f"{target.hidden_size} x {itemsize} B = {total / GB:.3f} GB ({plan.truncated} rows truncated to "
         f"{cfg.max_length} tokens)"
@@ -371,7 +374,7 @@ def _already_complete(
         )
     for path, _, fingerprint in _shard_plan(rows, plan, cfg, out_dir, identity):
         _check_fingerprint(path, fingerprint)
-    print(f"capture: {out_dir} is already complete ({found.num_samples} rows)")
+    log.info(f"capture: {out_dir} is already complete ({found.num_samples} rows)")
     return out_dir
 
 

@@ -84,6 +84,7 @@ def exit_on_user_error(fn: Callable[P, R]) -> Callable[P, R]:
         except USER_ERRORS as err:
             if os.environ.get("HYDRA_FULL_ERROR") == "1":
                 raise
+            # The process's last words, not a log message: on stderr whatever logging is set up to do.
             print(f"error: {err}\n(set HYDRA_FULL_ERROR=1 for the stack trace)", file=sys.stderr)
             raise SystemExit(1) from None
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import asdict, dataclass, replace
+import logging
 from pathlib import Path
 
 import jinja2
@@ -28,6 +29,8 @@ from .shards import write_token_shards
 from .target import FeatureTarget, TargetConfig, ensure_embedded_target, load_target, load_tokenizer
 from .templates import TemplateMaskError, render_with_mask
 from .world import World
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -103,7 +106,7 @@ def prepare(cfg: PrepareConfig, world: World = World()) -> PrepareResult:
     if up_to_date(tokens_dir, expected, cfg.overwrite):
         manifest = read_manifest(tokens_dir)
         if world.is_main:
-            print(f"token shards up to date: {tokens_dir} ({manifest.num_samples} rows)")
+            log.info(f"token shards up to date: {tokens_dir} ({manifest.num_samples} rows)")
     else:
         manifest = make_token_shards(cfg, target_cfg, tokenizer, model, expected, world)
     result = PrepareResult(tokens_dir, manifest.num_samples, manifest.num_tokens)
@@ -125,12 +128,12 @@ def prepare(cfg: PrepareConfig, world: World = World()) -> PrepareResult:
             world=world,
         )
     if world.is_main:
-        print(
+        log.info(
             f"token shards: {tokens_dir} ({result.num_rows} rows, {result.num_tokens} tokens); "
             f"manifest: {tokens_dir / 'manifest.json'}"
         )
         if result.features_dir:
-            print(
+            log.info(
                 f"target features: {result.features_dir}; manifest: {result.features_dir / 'manifest.json'}"
             )
     return result
@@ -156,7 +159,7 @@ def make_token_shards(
         )
     if world.is_main:
         rows = tokenize(conversations, tokenizer, cfg.max_length, policy)
-        print(
+        log.info(
             f"corpus: {drawn} conversations drawn (limit {cfg.corpus.limit}), {len(rows)} rows kept; "
             f"bad rows in the source and after filtering: {policy.summary()}"
         )

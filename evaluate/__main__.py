@@ -9,6 +9,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from specblock.data.errors import exit_on_user_error
+from specblock.data.logs import setup_logging
 
 from .config import EvalConfig, register_configs
 from .run import evaluate
@@ -19,6 +20,7 @@ register_configs()
 @hydra.main(config_path="pkg://specblock.configs", config_name="eval", version_base=None)
 @exit_on_user_error
 def main(cfg: DictConfig) -> None:
+    setup_logging()
     hc = HydraConfig.get()
     if hc.mode == RunMode.MULTIRUN:  # one folder per sweep job, not one shared output_dir
         cfg.output_dir = hc.runtime.output_dir

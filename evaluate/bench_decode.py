@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import statistics
 import time
 from dataclasses import dataclass, field, replace
@@ -28,6 +29,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from specblock.data.evalsets import prompt_ids
+from specblock.data.logs import setup_logging
 from specblock.data.target import DEFAULT_TARGET_DIR, DTYPES, FeatureTarget, TargetConfig, load_target
 
 from .config import EvalConfig, _default_trees, parse_method
@@ -35,6 +37,8 @@ from .decode import DecodeConfig, Generation, SpeculativeDecoder, TargetSession
 from .drafting import TreeConfig
 from .metrics import AUTOREGRESSIVE, ratio
 from .run import eos_ids, load_set
+
+log = logging.getLogger(__name__)
 
 UNTRAINED = "untrained-"  # --drafter untrained-<name>: a randomly initialised drafter (costs only)
 HF_GREEDY = "hf-greedy"  # the leanest baseline: the model's own forward with a cache, nothing else
@@ -193,7 +197,7 @@ def run_decoding(args, models: dict[str, torch.nn.Module], eos, prompts) -> dict
         for key, (n, s) in totals.items():
             splits[key].runs.append((n, s))
     for line in auto_budget_lines(decs):
-        print(line)
+        log.info(line)
     return splits
 
 
@@ -327,6 +331,7 @@ def parse_args(argv: list[str] | None):
 
 
 def main(argv: list[str] | None = None) -> None:
+    setup_logging()
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -335,26 +340,26 @@ def main(argv: list[str] | None = None) -> None:
         models[dt], tokenizer = load_target(
             TargetConfig(name_or_path=args.target, dtype=dt, device=args.device)
         )
-    print(
+    log.info(
         f"target={args.target} device={args.device} torch={torch.__version__} threads={torch.get_num_threads()}"
     )
     if not args.skip_decoding:
         prompts = load_prompts(args, tokenizer)
-        print(
+        log.info(
             f"{len(prompts)} {args.dataset} prompts ({sum(map(len, prompts))} tokens), {args.max_new_tokens} new "
             f"tokens, L={args.draft_length}, T={args.temperature}, drafter={args.drafter}, {args.repeats} repeats\n"
         )  # fmt: skip
         splits = run_decoding(args, models, eos_ids(tokenizer, next(iter(models.values()))), prompts)
-        print(decoding_table(splits, args.temperature))
+        log.info(decoding_table(splits, args.temperature))
     if not args.skip_forward:
         times = {
             dt: forward_times(m, args.context, args.forward_tokens, args.forward_repeats)
             for dt, m in models.items()
         }
-        print(f"target forward after a {args.context}-token cache (median of {args.forward_repeats}):\n")
-        print(forward_table(times))
+        log.info(f"target forward after a {args.context}-token cache (median of {args.forward_repeats}):\n")
+        log.info(forward_table(times))
         plot_forward(times, args.context, args.plot)
-        print(f"plot: {args.plot}")
+        log.info(f"plot: {args.plot}")
 
 
 if __name__ == "__main__":

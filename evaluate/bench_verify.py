@@ -16,12 +16,16 @@ SmolLM2-135M's shape (random weights, no download) over K x (L+1) tokens.
 from __future__ import annotations
 
 import argparse
+import logging
 import statistics
 import time
 
 import torch
 
+from specblock.data.logs import setup_logging
 from specblock.evaluate.verify import SINGLE_DRAFT, VERIFIERS, get_verifier
+
+log = logging.getLogger(__name__)
 
 ORDER = ["token", "block", "greedy_block", "spectr", "rrs", "spectr_gbv", "greedy"]
 
@@ -78,6 +82,7 @@ def forward_time(tokens: int, device: str, repeats: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
+    setup_logging()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vocab", type=int, nargs="+", default=[49152, 128256])
     ap.add_argument("--drafts", type=int, nargs="+", default=[1, 2, 4, 8])
@@ -90,9 +95,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         args.vocab, args.drafts, args.lengths, args.repeats = [49152], [1, 4], [4], 5
     gen = torch.Generator().manual_seed(0)
-    print(f"device={args.device} torch={torch.__version__} threads={torch.get_num_threads()}\n")
-    print("| V | K | L | accept/token | verifier | ms/call | x spectr | % of target fwd |")
-    print("|---|---|---|---|---|---|---|---|")
+    log.info(f"device={args.device} torch={torch.__version__} threads={torch.get_num_threads()}\n")
+    log.info("| V | K | L | accept/token | verifier | ms/call | x spectr | % of target fwd |")
+    log.info("|---|---|---|---|---|---|---|---|")
     for vocab in args.vocab:
         for k in args.drafts:
             for n in args.lengths:
@@ -116,10 +121,10 @@ def main(argv: list[str] | None = None) -> None:
                     ms[name] = 1e3 * time_call(call, args.repeats, args.device)
                 for name, t in ms.items():
                     ratio = f"{t / ms['spectr']:.2f}" if "spectr" in ms else "-"
-                    print(
+                    log.info(
                         f"| {vocab} | {k} | {n} | {acc:.2f} | {name} | {t:.2f} | {ratio} | {100 * t / (1e3 * fwd):.1f} |"
                     )
-                print(
+                log.info(
                     f"| {vocab} | {k} | {n} | | target forward, {k * (n + 1)} tokens | {1e3 * fwd:.1f} | | |",
                     flush=True,
                 )

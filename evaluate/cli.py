@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 from specblock.data.errors import exit_on_user_error
+from specblock.data.logs import setup_logging
 
 COMMANDS = {
     "run": ("specblock.evaluate.pipeline", "the main job: data, training, export, evaluation (tables)"),
@@ -25,6 +26,7 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> None:
+    setup_logging()
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         lines = [f"  {name:14s} {doc}" for name, (_, doc) in COMMANDS.items()]

@@ -16,27 +16,7 @@ from .adapt import AdaptConfig
 from .decode import DRAFTERLESS, MODES
 from .drafting import AUTO, TreeConfig
 from .lookup import LookupConfig
-from .verify import CROSS_ITERATION, SINGLE_DRAFT, TREE_MODES, VERIFIERS
-
-
-@dataclass
-class VerifierConfig:
-    """Which verifier runs and on what drafts: K drafts (num_drafts) of L tokens (draft_length)."""
-
-    name: str = "spectr_gbv"
-    num_drafts: int = 4
-    draft_length: int = 4
-    tree_mode: str = "deterministic"  # only for name = "tree": sampled | deterministic | greedy
-
-    def __post_init__(self):
-        if self.name != "tree" and self.name not in VERIFIERS:
-            raise ValueError(f"verifier.name={self.name!r} is not one of {sorted(VERIFIERS) + ['tree']}")
-        if self.name == "tree" and self.tree_mode not in TREE_MODES:
-            raise ValueError(f"verifier.tree_mode={self.tree_mode!r} is not one of {TREE_MODES}")
-        if self.num_drafts < 1 or self.draft_length < 1:
-            raise ValueError(f"verifier needs num_drafts >= 1 and draft_length >= 1, got {self}")
-        if self.name in SINGLE_DRAFT and self.num_drafts != 1:
-            raise ValueError(f"verifier {self.name!r} takes a single draft; set verifier.num_drafts=1")
+from .verify import CROSS_ITERATION, VERIFIERS
 
 
 # Every scheme the stage knows: mode-verifier (chain: one draft; iid: num_drafts i.i.d. drafts); lookup
@@ -166,5 +146,4 @@ class EvalConfig:
 
 def register_configs() -> None:
     cs = ConfigStore.instance()
-    cs.store(group="verifier", name="base_verifier", node=VerifierConfig)
     cs.store(name="base_eval", node=EvalConfig)

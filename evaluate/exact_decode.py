@@ -11,9 +11,13 @@ exact (no sampling); the decode law is also checked against the target law.
 from __future__ import annotations
 
 import argparse
+import logging
 
+from specblock.data.logs import setup_logging
 from .verify import SINGLE_DRAFT, get_verifier
 from .verify.exact import TableModel, decode_law, expected_accepted, iteration_outcomes, law_error
+
+log = logging.getLogger(__name__)
 
 METHODS = ["token", "block", "greedy_block", "spectr", "rrs", "spectr_gbv"]
 
@@ -36,6 +40,7 @@ def instance_rows(name: str, target, draft, drafts: list[int], length: int, hori
 
 
 def main(argv: list[str] | None = None) -> None:
+    setup_logging()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vocab", type=int, default=4)
     ap.add_argument("--length", type=int, default=2, help="draft length L")
@@ -45,14 +50,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--alpha", type=float, default=0.6, help="Dirichlet concentration of the random laws")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    print(
+    log.info(
         f"random instances: L = {args.length}, H = {args.horizon}; E[tau] is the first iteration's, calls are over whole decodes\n"
     )
-    print("| instance | K | verifier | first-iteration E[tau] | E[target calls] | tokens/call | law error |")
-    print("|---|---|---|---|---|---|---|")
+    log.info(
+        "| instance | K | verifier | first-iteration E[tau] | E[target calls] | tokens/call | law error |"
+    )
+    log.info("|---|---|---|---|---|---|---|")
     toy_q, toy_p = TableModel(2, fixed=[2 / 3, 1 / 3]), TableModel(2, fixed=[1 / 3, 2 / 3])
     for row in instance_rows("BV toy (V=2, L=2, H=7)", toy_q, toy_p, [1], 2, 7):
-        print(row, flush=True)
+        log.info(row)
     for i in range(args.instances):
         seed = args.seed + i
         target = TableModel(args.vocab, seed=seed, alpha=args.alpha)
@@ -60,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
         for row in instance_rows(
             f"random {seed} (V={args.vocab})", target, draft, args.drafts, args.length, args.horizon
         ):
-            print(row, flush=True)
+            log.info(row)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Evaluation metrics as ratios of global sums (STYLE habit 13), independent of the decoding loop.
 
-The loop records raw sums and counts per (dataset, method) in an `Accumulator`; ranks or processes
-exchange `to_dict()` and add them with `merge` *before* any division. Every derived number is then one
+The loop records raw sums and counts per (dataset, method) in an `Accumulator` of typed `Counts`; ranks
+or processes exchange `to_dict()` and add them with `merge` *before* any division (the division and the
+padded addition are `specblock.train.ratios`, which training's metrics use too). Every derived number is then one
 ratio of two global sums: never a mean of per-generation, per-batch or per-dataset ratios. The "overall"
 row of a method sums its datasets' counts, so a long dataset weighs by its iterations, not as one vote.
 """
@@ -11,19 +12,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Iterable
 
+from specblock.train.ratios import add_padded, ratio  # the one implementation (training's too)
+
 AUTOREGRESSIVE = "autoregressive"  # the method name whose tokens/s is the speedup's denominator
 OVERALL = "overall"  # the dataset name of a method's all-datasets row
-
-
-def ratio(num: float, den: float) -> float | None:
-    """num / den, or None where the denominator is 0 (undefined, not zero; JSON writes it as null)."""
-    return num / den if den else None
-
-
-def _add_lists(a: list[int], b: list[int]) -> list[int]:
-    """Element-wise sum, the shorter list padded with zeros."""
-    n = max(len(a), len(b))
-    return [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(n)]
 
 
 @dataclass
@@ -63,8 +55,8 @@ class Counts:
         }
         return Counts(
             **sums,
-            accepted_at=_add_lists(self.accepted_at, other.accepted_at),
-            offered_at=_add_lists(self.offered_at, other.offered_at),
+            accepted_at=add_padded(self.accepted_at, other.accepted_at),
+            offered_at=add_padded(self.offered_at, other.offered_at),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -90,7 +82,7 @@ def block_efficiency(c: Counts) -> float | None:
 def acceptance_at(c: Counts) -> list[float | None]:
     """Per-position acceptance: entry i = Σ iterations accepting ≥ i+1 tokens / Σ iterations offering
     position i+1, i.e. the rate at which position i+1 is accepted among drafts that reached it."""
-    accepted = _add_lists(c.accepted_at, [0] * len(c.offered_at))  # padded: accepted_at may be shorter
+    accepted = add_padded(c.accepted_at, [0] * len(c.offered_at))  # padded: accepted_at may be shorter
     return [ratio(accepted[i], offered) for i, offered in enumerate(c.offered_at)]
 
 
@@ -159,8 +151,8 @@ class Accumulator:
         c.drafter_seconds += drafter_seconds
         c.verify_seconds += verify_seconds
         c.target_seconds += target_seconds
-        c.accepted_at = _add_lists(c.accepted_at, [1] * accepted)
-        c.offered_at = _add_lists(c.offered_at, [1] * draft_len)
+        c.accepted_at = add_padded(c.accepted_at, [1] * accepted)
+        c.offered_at = add_padded(c.offered_at, [1] * draft_len)
 
     def add_generation(
         self,

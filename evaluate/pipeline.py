@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import subprocess
 import sys
 import time
@@ -28,6 +29,9 @@ from typing import Any
 
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
+from specblock.data.logs import setup_logging
+
+log = logging.getLogger(__name__)
 
 DRAFTERS = ("specblock", "eagle3")
 IGNORED_KEYS = ("trainer.resume", "trainer.logger")  # do not change what a run computes
@@ -74,11 +78,11 @@ def train_stage(drafter: str, extra: list[str]) -> Path:
                 + "\nmove it away (or delete it) to retrain."
             )  # fmt: skip
         if (export / "model.safetensors").exists():
-            print(f"[run] {drafter}: {export} exists with the same config, skipping training")
+            log.info(f"[run] {drafter}: {export} exists with the same config, skipping training")
             return export
     resume = ["trainer.resume=latest"] if any(run_dir.glob("step_*")) else []
     cmd = [sys.executable, "-m", "specblock.train", *overrides, *resume]
-    print(f"[run] {drafter}: {' '.join(cmd[1:])}", flush=True)
+    log.info(f"[run] {drafter}: {' '.join(cmd[1:])}")
     done = subprocess.run(cmd)
     if done.returncode != 0:  # the training process has printed its own error
         raise SystemExit(f"[run] training {drafter} failed (exit status {done.returncode}); see above")
@@ -97,14 +101,15 @@ def eval_stage(name: str, overrides: list[str]) -> list[dict]:
     out = Path(resolved["output_dir"])
     if (out / "results.jsonl").exists() and (out / "config.json").exists():
         if not config_diff(json.loads((out / "config.json").read_text()), resolved):
-            print(f"[run] {name}: {out}/results.jsonl exists with the same config, rereading it")
-            print((out / "results.md").read_text())
+            log.info(f"[run] {name}: {out}/results.jsonl exists with the same config, rereading it")
+            log.info((out / "results.md").read_text())
             return read_jsonl(out / "results.jsonl")
     config: EvalConfig = OmegaConf.to_object(cfg)
     return evaluate(config, resolved)
 
 
 def main(argv: list[str] | None = None) -> None:
+    setup_logging()
     p = argparse.ArgumentParser(prog="specblock run", description=__doc__.split("\n\n")[0])
     p.add_argument("--limit", type=int, default=2, help="prompts per dataset (default 2)")
     p.add_argument("--max-new-tokens", type=int, default=48)
@@ -142,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
             "methods=[autoregressive,lookup,chain-token,chain-block,chain-greedy_block,iid-spectr,iid-rrs,iid-spectr_gbv]",
         ],
     )
-    print(f"\n[run] done in {(time.perf_counter() - start) / 60:.1f} min; tables in {OUT}/greedy/results.md and "
+    log.info(f"\n[run] done in {(time.perf_counter() - start) / 60:.1f} min; tables in {OUT}/greedy/results.md and "
           f"{OUT}/sampled/results.md ({len(greedy)} + {len(sampled)} records)")  # fmt: skip
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 from dataclasses import asdict
 from pathlib import Path
@@ -35,6 +36,8 @@ from .decode import DRAFTERLESS, DecodeConfig, Generation, SpeculativeDecoder
 from .drafting import AUTO, TreeConfig
 from .metrics import AUTOREGRESSIVE, Accumulator
 from .report import category_report, cost_table, markdown_report, plot_acceptance_at, records, write_jsonl
+
+log = logging.getLogger(__name__)
 
 # local_root=auto reads the evaluation files from the folder this variable names (README "Evaluation data").
 DATASETS_ENV = "SPECBLOCK_DATASETS"
@@ -167,9 +170,9 @@ def evaluate(cfg: EvalConfig, resolved: dict[str, Any] | None = None) -> list[di
             if cfg.on_unavailable == "error":
                 raise
             unavailable[d] = str(err)
-            print(f"WARNING: skipping {d}: {err}")
+            log.warning(f"WARNING: skipping {d}: {err}")
     for s in sets:
-        print(s.summary())
+        log.info(s.summary())
     acc, by_category, mismatches, gaps = decode_sets(sets, runs, model, tokenizer, cfg)
     fields = {
         "K": cfg.num_drafts,
@@ -199,8 +202,10 @@ def evaluate(cfg: EvalConfig, resolved: dict[str, Any] | None = None) -> list[di
         with atomic_path(out_dir / "config.json") as tmp:
             tmp.write_text(json.dumps(resolved, indent=2, sort_keys=True, default=str))
     _log_wandb(cfg, rows, out_dir)
-    print(report)
-    print(f"results: {out_dir / 'results.jsonl'}, {out_dir / 'results.md'}, {out_dir / 'acceptance_at.png'}")
+    log.info(report)
+    log.info(
+        f"results: {out_dir / 'results.jsonl'}, {out_dir / 'results.md'}, {out_dir / 'acceptance_at.png'}"
+    )
     return rows
 
 

@@ -5,9 +5,13 @@ of block efficiency against every swept field (K, L, temperature, top_p)."""
 from __future__ import annotations
 
 import argparse
+import logging
 from pathlib import Path
 
+from specblock.data.logs import setup_logging
 from .report import markdown_report, plot_block_efficiency, read_jsonl, select, write_jsonl
+
+log = logging.getLogger(__name__)
 
 AXES = ("K", "L", "temperature", "top_p")
 
@@ -52,12 +56,15 @@ def sweep_report(folder: str | Path, out: str | Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    setup_logging()
     p = argparse.ArgumentParser(prog="specblock eval-report", description=__doc__)
     p.add_argument("folder", help="a sweep folder, e.g. checkpoints/eval/multirun/eval")
     p.add_argument("--out", default=None, help="default: FOLDER/report")
     args = p.parse_args(argv)
     plots = sweep_report(args.folder, args.out or Path(args.folder) / "report")
-    print(f"wrote {args.out or Path(args.folder) / 'report'}: pooled.jsonl, report.md, {len(plots)} plot(s)")
+    log.info(
+        f"wrote {args.out or Path(args.folder) / 'report'}: pooled.jsonl, report.md, {len(plots)} plot(s)"
+    )
 
 
 if __name__ == "__main__":

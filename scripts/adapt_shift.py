@@ -25,6 +25,7 @@ from matplotlib.figure import Figure
 from tqdm.auto import tqdm
 
 from specblock.data.evalsets import prompt_ids
+from specblock.data.logs import setup_logging
 from specblock.data.target import FeatureTarget, TargetConfig, ensure_embedded_target, load_target
 from specblock.evaluate.adapt import Adapter, AdaptConfig
 from specblock.evaluate.config import EvalConfig
@@ -35,6 +36,7 @@ STREAM = [("humaneval", ["en"]), ("gsm8k", ["en"]), ("mgsm", ["de"])]
 
 
 def main() -> None:
+    setup_logging()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--limit", type=int, default=8, help="prompts per dataset")
     p.add_argument("--max-new-tokens", type=int, default=48)

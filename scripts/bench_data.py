@@ -14,6 +14,7 @@ import torch
 
 from specblock.data.corpora import CorpusConfig, load_conversations
 from specblock.data.errors import RowPolicy
+from specblock.data.logs import setup_logging
 from specblock.data.regenerate import RegenerateConfig, fitting_prompts, generate_batch, user_rounds
 from specblock.data.target import (
     DEFAULT_TARGET_DIR,
@@ -26,6 +27,7 @@ from specblock.data.templates import render_with_mask
 
 
 def main() -> None:
+    setup_logging()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=DEFAULT_TARGET_DIR)
     ap.add_argument("--dtype", default="bfloat16")

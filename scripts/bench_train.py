@@ -20,18 +20,21 @@ import time
 
 import torch
 
+from specblock.data.logs import setup_logging
 from specblock.data.target import (
     DEFAULT_TARGET_DIR,
     TargetConfig,
+    TargetHead,
+    concat_features,
     default_feature_layers,
     ensure_embedded_target,
+    load_target,
 )
-from specblock.data.target import load_target
 from specblock.train.losses import LossConfig
 from specblock.train.modeling import build_drafter, build_vocab_map
 from specblock.train.optim import OptimConfig, build_optimizer
 from specblock.train.config import DrafterConfig
-from specblock.train.strategies import STRATEGIES, StrategyConfig
+from specblock.train.distill import STRATEGIES, StrategyConfig
 
 
 def timed(fn, repeats: int) -> tuple[float, float]:
@@ -65,7 +68,7 @@ def measure(args) -> dict:
         target.get_output_embeddings().weight,
         d2t,
     ).to(args.device)
-    head = target.get_output_embeddings().weight.detach()
+    head = TargetHead.of(target)
     strategy = STRATEGIES[args.drafter](
         module, target, layers, LossConfig(), StrategyConfig(num_ttt_blocks=args.blocks), head
     )
@@ -74,14 +77,15 @@ def measure(args) -> dict:
         out = target(**{k: batch[k] for k in ("input_ids", "attention_mask")}, output_hidden_states=True)
         cached = {
             **batch,
-            "features": torch.cat([out.hidden_states[i] for i in layers], -1),
+            "features": concat_features(out.hidden_states, layers),
             "last_hidden": out.hidden_states[-1],
         }
 
     def step(b):
         optimizer.zero_grad(set_to_none=True)
         with torch.autocast(args.device, dtype=torch.bfloat16, enabled=args.autocast):
-            loss = strategy.forward_loss(b, step=10**6, epoch=0).loss  # late step: every block on
+            out = strategy.forward_loss(b, step=10**6, epoch=0)  # late step: every block on
+            loss = strategy.loss(out.sums, out.counts)
         loss.backward()
         optimizer.step()
 
@@ -114,6 +118,7 @@ def measure(args) -> dict:
 
 
 def main() -> None:
+    setup_logging()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=DEFAULT_TARGET_DIR)
     ap.add_argument("--dtype", default="bfloat16")

@@ -12,6 +12,7 @@ import argparse
 import time
 from pathlib import Path
 
+from specblock.data.logs import setup_logging
 from specblock.data.target import (
     DEFAULT_TARGET_DIR,
     DTYPES,
@@ -44,6 +45,7 @@ def check(gguf: Path, out: Path, dtype: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    setup_logging()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(DEFAULT_TARGET_DIR))
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))

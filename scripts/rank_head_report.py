@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from specblock.data.logs import setup_logging
 from specblock.train.batching import shifted_tokens, teacher_and_valid
 from specblock.train.config import TrainConfig, register_configs
 from specblock.train.export import load_drafter
@@ -119,6 +120,7 @@ def heatmap(shares: torch.Tensor, names: list[str], path: Path) -> None:
 
 
 def main() -> None:
+    setup_logging()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run", type=Path, help="a SpecBlock training run folder (config.yaml)")
     ap.add_argument("--drafter", type=Path, help="exported drafter (default: RUN/drafter)")

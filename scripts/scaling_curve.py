@@ -18,11 +18,12 @@ import argparse
 import json
 from pathlib import Path
 
+from specblock.data.logs import setup_logging
 from specblock.evaluate.config import EvalConfig
 from specblock.evaluate.report import read_jsonl
 from specblock.evaluate.run import evaluate
 from specblock.train.checkpoint import list_checkpoints, read_meta
-from specblock.train.run import export_from_checkpoint
+from specblock.train.export import export_from_checkpoint
 
 DATASETS = ["gsm8k", "humaneval", "mgsm", "lm1b", "alpaca"]
 
@@ -110,6 +111,7 @@ def plot(points: list[dict], path: Path) -> None:
 
 
 def main() -> None:
+    setup_logging()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", nargs="+", type=Path)
     ap.add_argument("--limit", type=int, default=3, help="prompts per dataset")

@@ -22,6 +22,7 @@ def run(*args: str, cwd, full_error: bool = False) -> subprocess.CompletedProces
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=cwd)
 
 
+@pytest.mark.slow
 def test_an_unknown_method_is_one_line_and_hydra_full_error_shows_the_trace(tmp_path):
     done = run("specblock.evaluate", "methods=[bogus]", cwd=tmp_path)
     assert done.returncode == 1 and done.stderr.startswith("error: method 'bogus' is not one of"), done.stderr

@@ -22,15 +22,32 @@ def test_stage_packages_import_from_the_specblock_namespace():
         assert Path(mod.__file__).resolve().is_relative_to(REPO) or "site-packages" in mod.__file__
 
 
+def our_folder(name: str) -> str | None:
+    """Where in this repository `import name` would load from (a module, a package or a namespace
+    folder), or None when it resolves elsewhere or nowhere."""
+    spec = importlib.util.find_spec(name)
+    if spec is None:
+        return None
+    places = [spec.origin] if spec.origin else list(spec.submodule_search_locations or [])
+    return next((p for p in places if Path(p).resolve().is_relative_to(REPO)), None)
+
+
 @pytest.mark.parametrize("name", ["data", "train", "evaluate"])
 def test_no_top_level_stage_module(name):
-    # `evaluate` is a Hugging Face library: ours must never shadow it. If something of that name is
-    # importable, it must not be one of our folders.
-    spec = importlib.util.find_spec(name)
-    if spec is not None and spec.origin is not None:
-        assert not Path(spec.origin).resolve().is_relative_to(REPO), (
-            f"{name} resolves to our folder {spec.origin}"
-        )
+    # `evaluate` is a Hugging Face library: ours must never shadow it, nor anything else named so.
+    assert our_folder(name) is None, f"`import {name}` resolves to our folder {our_folder(name)}"
+
+
+@pytest.mark.parametrize("name", ["data", "train", "evaluate"])
+def test_the_shadowing_check_finds_our_folder_on_sys_path(name):
+    """The check above can fail: with the repository root on sys.path (what `python -m pytest` does) it
+    names our folder. In a fresh interpreter, where nothing of that name is imported yet."""
+    code = (
+        f"import sys; sys.path.insert(0, {str(REPO)!r}); sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+        f"import test_packaging as t; print(t.our_folder({name!r}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert Path(out.stdout.strip()).resolve() == REPO / name / "__init__.py"
 
 
 def test_wheel_layout(tmp_path):

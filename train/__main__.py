@@ -4,6 +4,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from specblock.data.errors import exit_on_user_error
+from specblock.data.logs import setup_logging
 
 from .config import TrainConfig, register_configs
 from .run import train
@@ -14,6 +15,7 @@ register_configs()
 @hydra.main(config_path="pkg://specblock.configs", config_name="train", version_base=None)
 @exit_on_user_error
 def main(cfg: DictConfig) -> None:
+    setup_logging()
     config: TrainConfig = OmegaConf.to_object(cfg)
     train(config, OmegaConf.to_container(cfg, resolve=True))
 

@@ -13,7 +13,7 @@ start part-way through it; `micro_batch_stream` runs across epoch ends and keeps
 current, so a resumed run draws exactly the micro-batches an uninterrupted run would have drawn.
 
 Training checkpoints are for resuming; `train/export.py` turns weights into a self-describing drafter
-from `export_state_dict` (live, all ranks) or `read_model_state` (offline, from a step folder).
+from `read_model_state` (offline, from a step folder; ZeRO shards merged).
 """
 
 from __future__ import annotations
@@ -243,15 +243,6 @@ def load_checkpoint(accelerator: Accelerator, path: str | os.PathLike) -> dict[s
     """Restore everything `save_checkpoint` wrote (all ranks); returns its meta.json."""
     accelerator.load_state(str(path))
     return read_meta(path)
-
-
-def export_state_dict(accelerator: Accelerator, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The drafter's state dict with the keys of the UNWRAPPED module (habit 8).
-
-    Collective under ZeRO-3 (gathers the 16-bit weights; needs
-    `zero3_save_16bit_model: true` in the accelerate config), where only rank 0 gets the tensors.
-    """
-    return accelerator.get_state_dict(model, unwrap=True)
 
 
 def read_model_state(path: str | os.PathLike) -> dict[str, torch.Tensor]:

@@ -8,9 +8,9 @@ from hydra.core.config_store import ConfigStore
 
 from specblock.data.config import PrepareConfig
 
+from .distill import StrategyConfig
 from .losses import LossConfig
 from .modeling import DRAFTER_CONFIGS
-from .strategies import StrategyConfig
 from .trainer import TrainerConfig
 
 FEATURE_MODES = ("online", "offline")

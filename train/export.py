@@ -6,6 +6,9 @@
     <out>/vocab_map.safetensors  d2t [Vd] (draft id -> target id) and t2d [V]
     <out>/README.md          model card: training data, steps, measured acceptance
 
+`export_checkpoint` exports the drafter a step folder holds (ZeRO shards merged), plus the serving
+engines' folders where the drafter type has them (`serving.py`); the training run calls it at the end, and
+
     python -m specblock.train.export --run checkpoints/<run_name> [--step latest] [--out DIR]
 re-exports from a training checkpoint (its resolved config.yaml says how to rebuild the drafter).
 """
@@ -19,13 +22,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, PretrainedConfig
 
 from specblock.data.errors import exit_on_user_error
 from specblock.data.io import atomic_path
+from specblock.data.logs import setup_logging
+from specblock.data.target import default_feature_layers, load_target_config
 
+from .checkpoint import read_model_state, resolve_resume
+from .config import TrainConfig, register_configs
 from .modeling import DRAFTER_CONFIGS, build_drafter
+from .serving import SERVING_EXPORTS, ServingExportError
+from .tracking import log0
 
 EXPORT_FORMAT = "specblock-drafter/1"
 
@@ -142,15 +152,57 @@ def rebuild_drafter(
     return module
 
 
+def export_checkpoint(
+    cfg: TrainConfig, step: Path, out: str | Path, target_config: PretrainedConfig, card: dict | None = None
+) -> Path:
+    """Export the drafter stored in a step folder (merged from ZeRO shards if need be) to `out`."""
+    layers = cfg.data.target.feature_layers or default_feature_layers(target_config.num_hidden_layers)
+    drafter_cfg = cfg.drafter.specific(num_feature_layers=len(layers))
+    module = rebuild_drafter(cfg.drafter.name, drafter_cfg, target_config, read_model_state(step))
+    path = export_drafter(
+        module,
+        out,
+        name=cfg.drafter.name,
+        drafter_cfg=drafter_cfg,
+        target_config=target_config,
+        target_id=cfg.data.target.target_id,
+        target_revision=cfg.data.target.revision,
+        feature_layers=layers,
+        card=card,
+    )
+    serve = SERVING_EXPORTS.get(cfg.drafter.name)  # beside it: <out>-vllm, <out>-speculators
+    if serve is not None:
+        try:
+            verifier = cfg.data.target.name_or_path
+            for folder in serve(
+                module, path, target_config=target_config, feature_layers=layers, verifier=verifier
+            ):
+                log0(f"exported for serving engines: {folder}")
+        except ServingExportError as err:  # the project's own folder is written; only the engines' is not
+            log0(f"not exported for serving engines: {err}")
+    return path
+
+
+def export_from_checkpoint(run_dir: Path, step: str = "latest", out: str | None = None) -> Path:
+    """Re-export a run's drafter from one of its checkpoints (python -m specblock.train.export). Reads
+    only the run's config.yaml, the step folder and the target's config: no data stage, no weights."""
+    register_configs()
+    cfg: TrainConfig = OmegaConf.to_object(
+        OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.load(run_dir / "config.yaml"))
+    )
+    target_config = load_target_config(cfg.data.target)
+    path = resolve_resume(step if step == "latest" else str(run_dir / step), cfg.trainer.output_dir)
+    return export_checkpoint(cfg, path, out or run_dir / "drafter", target_config)
+
+
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> None:
+    setup_logging()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run", required=True, help="a training run folder (holds config.yaml and step_XXXXXX/)")
     ap.add_argument("--step", default="latest", help="'latest' or a step folder name")
     ap.add_argument("--out", default=None, help="default: <run>/drafter")
     args = ap.parse_args(argv)
-    from .run import export_from_checkpoint
-
     print(export_from_checkpoint(Path(args.run), args.step, args.out))
 
 

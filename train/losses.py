@@ -6,7 +6,14 @@ draft vocabulary (teacher [B,S,K,V]), and `valid` [B,S,K] bool (the predicted to
 token and is an assistant token). Rank-head logits are [B,S,K,C] with C = len(rank_buckets)+1.
 
 Metrics are returned as `<name>_sum` / `<name>_count` tensor pairs so the trainer can all-reduce them
-before dividing (`ratio_metrics`). Losses are float32 even for bf16 inputs.
+before dividing. Losses are float32 even for bf16 inputs.
+
+The loss is kept as TERMS (`LossTerms`): per slot, the sum of its entries' weighted losses and how many
+entries it averages over. `normalised_loss(sums, counts)` divides; it is linear in `sums`, so the loss
+of several micro-batches (and ranks) taken as one batch is `normalised_loss` of each one's sums with the
+counts summed over all of them: the trainer's gradient-accumulation contract (`strategy.py`). Some
+counts (the valid-prefix entries, the Rank Head's chain and classes) depend on the drafter's predictions,
+so they are known only after its forward.
 
 Reference: the authors' `specforge/core/specblock.py::_compute_batched_loss_acc_and_rank`. Deliberate
 difference: a slot whose target token is invalid breaks both chains (valid-prefix and rank chain), as
@@ -99,11 +106,14 @@ class LossConfig:
 
 @dataclass
 class LossOutput:
-    """loss: scalar to backpropagate. metrics: detached `<name>_sum`/`<name>_count` pairs.
+    """loss: the batch's own loss (`normalised_loss` of `terms`: what a single micro-batch, with no
+    accumulation and one rank, back-propagates). terms: the same loss as sums and counts, for a batch made
+    of several micro-batches or ranks. metrics: detached `<name>_sum`/`<name>_count` pairs.
     slot_losses [K]: per-slot distillation loss before slot weights. rank_loss: before gating and
     rank_weight (0 without a rank head). prefix_alpha: the curriculum's alpha at this step."""
 
     loss: Tensor
+    terms: LossTerms
     metrics: dict[str, Tensor]
     slot_losses: Tensor
     rank_loss: Tensor
@@ -216,27 +226,60 @@ def forward_kl(
     return neg_entropy - (p * log_q.gather(-1, idx)).sum(-1)
 
 
-def masked_mean_per_slot(x: Tensor, mask: Tensor) -> Tensor:
-    """x [B,S,K] float, mask [B,S,K] bool -> [K]: per-slot mean over masked entries (0 if none)."""
-    return (x * mask).sum((0, 1)) / mask.sum((0, 1)).clamp_min(1)
+FULL, PREFIX, RANK = "full", "prefix", "rank"  # the loss terms (`LossTerms` keys)
 
 
-def distill_loss(
-    kl: Tensor, valid: Tensor, decay: float = 0.8, prefix: Tensor | None = None, alpha: float = 1.0
-) -> tuple[Tensor, Tensor]:
-    """Slot-weighted distillation loss from per-entry KL.
+class LossTerms(NamedTuple):
+    """A loss before normalisation, as sums that add over micro-batches and ranks.
 
-    kl [B,S,K], valid and prefix [B,S,K] bool -> (loss [], per_slot [K]).
-    per_slot_k = (1-alpha) * mean of kl over valid entries + alpha * mean over prefix entries (each a
-    ratio of sums over B,S; prefix None = the valid mean only); loss = sum_k decay**k * per_slot_k
-    (docs/specblock.md 1.5: total = sum_k w_k L_draft,k). alpha = 1 is the authors' chain-masked loss.
-    Blending the two means, not weighting entries 1 / (1-alpha) in one mean, keeps alpha effective on
-    a slot with few prefix entries: a single weighted mean would normalise the (1-alpha) away there.
+    sums: term -> numerator (with grad): FULL and PREFIX [K] = slot weight x curriculum weight x the sum
+        of the slot's KL over its valid (resp. valid-prefix) entries; RANK [K, C] = the gated, weighted
+        sum of the Rank Head's distance-weighted CE over its chain entries of true class c at slot k.
+    counts: term -> the entries each numerator sums (same shapes, detached float32).
+    Keys may carry a prefix (`"block1/full"`); `normalised_loss` reads the last path part.
     """
-    per_slot = masked_mean_per_slot(kl, valid)  # [K]
-    if prefix is not None:
-        per_slot = (1.0 - alpha) * per_slot + alpha * masked_mean_per_slot(kl, prefix)
-    return (slot_weights(kl.shape[-1], decay, kl.device) * per_slot).sum(), per_slot
+
+    sums: dict[str, Tensor]
+    counts: dict[str, Tensor]
+
+
+def distill_terms(kl: Tensor, valid: Tensor, prefix: Tensor, decay: float, alpha: float) -> LossTerms:
+    """kl [B,S,K], valid and prefix [B,S,K] bool -> FULL and PREFIX terms (see `normalised_loss`).
+
+    Normalised: sum_k decay**k ((1-alpha) mean KL over slot k's valid entries + alpha mean over its
+    prefix entries) (docs/specblock.md 1.5: total = sum_k w_k L_draft,k); alpha = 1 is the authors'
+    chain-masked loss. Blending the two means, not weighting entries 1 / (1-alpha) in one mean, keeps
+    alpha effective on a slot with few prefix entries: a single weighted mean would normalise the
+    (1-alpha) away there."""
+    w = slot_weights(kl.shape[-1], decay, kl.device)  # [K]
+    sums = {FULL: (1.0 - alpha) * w * (kl * valid).sum((0, 1)), PREFIX: alpha * w * (kl * prefix).sum((0, 1))}
+    counts = {FULL: valid.float().sum((0, 1)), PREFIX: prefix.float().sum((0, 1))}
+    return LossTerms(sums, counts)
+
+
+def budget_weights(class_counts: Tensor, budget: int) -> Tensor:
+    """Rank-class re-weighting: class_counts [..., K, C] (entries of true class c at slot k) -> weights
+    min(1, budget / count) of the same shape; budget <= 0 disables (all 1)."""
+    if budget <= 0:
+        return torch.ones_like(class_counts)
+    return (budget / class_counts.clamp_min(1.0)).clamp(max=1.0)
+
+
+def normalised_loss(sums: dict[str, Tensor], counts: dict[str, Tensor], rank_budget: int) -> Tensor:
+    """The loss from `LossTerms` sums and counts (the counts of the whole batch the loss averages over).
+
+    FULL / PREFIX: sum over slots of numerator / count (a slot without entries adds 0). RANK (as the
+    reference): sum(w * numerator) / sum(w * count) over slots and classes with w = `budget_weights` of
+    the counts: each class's entries weigh at most budget / count. Linear in `sums`."""
+    total = torch.zeros((), device=next(iter(sums.values())).device)
+    for key, num in sums.items():
+        count = counts[key].to(num.dtype)
+        if key.rsplit("/", 1)[-1] == RANK:
+            w = budget_weights(count, rank_budget)
+            total = total + (w * num).sum() / (w * count).sum().clamp_min(_EPS)
+        else:
+            total = total + (num / count.clamp_min(1.0)).sum()
+    return total
 
 
 @torch.no_grad()
@@ -336,43 +379,33 @@ def distance_weight(target: Tensor, pred: Tensor) -> Tensor:
     return 1.0 + diff.abs() + diff.clamp(min=0.0)
 
 
-def class_balance_weights(classes: Tensor, mask: Tensor, num_classes: int, budget: int = 10) -> Tensor:
-    """Per-batch, per-slot class re-weighting: classes [B,S,K] long, mask [B,S,K] bool -> [B,S,K]
-    float, w = min(1, budget / count_c,k) where count_c,k counts masked entries of class c at slot k;
-    0 outside the mask. budget <= 0 disables (weights = mask)."""
-    if budget <= 0:
-        return mask.float()
-    one_hot = F.one_hot(classes, num_classes).float() * mask.unsqueeze(-1)  # [B,S,K,C]
-    w = (budget / one_hot.sum((0, 1)).clamp_min(1.0)).clamp(max=1.0)  # [K,C]
-    return (one_hot * w).sum(-1)  # picks w[k, class] at masked entries, 0 elsewhere
-
-
 def rank_chain_mask(pred: Tensor, classes: Tensor, valid: Tensor) -> Tensor:
     """Rank-chain curriculum: pred, classes [B,S,K] long, valid [B,S,K] bool -> [B,S,K] bool, True on
     slots 0..M where M is the first slot whose rank prediction is wrong (inclusive), valid only."""
     return valid & leading_run(valid & (pred == classes))
 
 
-def rank_loss(
-    rank_logits: Tensor, classes: Tensor, valid: Tensor, budget: int = 10
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """Rank-head loss (docs/specblock.md 1.5, 4 parts) and rank accuracy.
+def rank_terms(
+    rank_logits: Tensor, classes: Tensor, valid: Tensor
+) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """Rank-head loss (docs/specblock.md 1.5, 4 parts) as sums, and rank accuracy.
 
-    rank_logits [B,S,K,C], classes [B,S,K] long (`rank_classes`), valid [B,S,K] bool ->
-    (loss [] float32, metrics) with metrics rank_acc_sum/count [K] (per slot, over valid entries, no
-    chain) and rank_class_acc_sum/count [C] (by true class). As in the reference, the loss is
-    sum(w_class * w_dist * CE) / sum(w_class) over all slots; the rank weights carry no gradient.
+    rank_logits [B,S,K,C], classes [B,S,K] long (`rank_classes`), valid [B,S,K] bool -> (sums [K,C] with
+    grad: the distance-weighted soft CE summed over the chain entries of true class c at slot k; counts
+    [K,C] float32: those entries; metrics rank_acc_sum/count [K] (per slot, over valid entries, no chain)
+    and rank_class_acc_sum/count [C] (by true class)). `normalised_loss` applies the class re-weighting
+    (2), which needs the counts of the whole batch; the rank weights carry no gradient.
     """
-    logits = rank_logits.float()
+    logits = at_least_fp32(rank_logits)
     C = logits.shape[-1]
     with torch.no_grad():
         pred = logits.argmax(-1)  # [B,S,K]
         mask = rank_chain_mask(pred, classes, valid)  # (1) chain curriculum
-        w_class = class_balance_weights(classes, mask, C, budget)  # (2) class re-weighting
+        in_class = F.one_hot(classes, C).float() * mask.unsqueeze(-1)  # [B,S,K,C] chain entries by class
         soft = ordinal_soft_targets(classes, C)  # (3) ordinal smoothing [B,S,K,C]
         w_dist = distance_weight(classes, pred)  # (4) asymmetric distance
     ce = -(soft * F.log_softmax(logits, -1)).sum(-1)  # [B,S,K]
-    loss = (w_class * w_dist * ce).sum() / w_class.sum().clamp_min(_EPS)
+    sums = ((w_dist * ce).unsqueeze(-1) * in_class).sum((0, 1))  # [K,C]
     correct = (valid & (pred == classes)).float()
     by_class = F.one_hot(classes, C).float() * valid.unsqueeze(-1)  # [B,S,K,C]
     metrics = {
@@ -381,7 +414,16 @@ def rank_loss(
         "rank_class_acc_sum": (by_class * correct.unsqueeze(-1)).sum((0, 1, 2)),
         "rank_class_acc_count": by_class.sum((0, 1, 2)),
     }
-    return loss, metrics
+    return sums, in_class.sum((0, 1)), metrics
+
+
+def rank_loss(
+    rank_logits: Tensor, classes: Tensor, valid: Tensor, budget: int = 10
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The rank loss of one batch on its own, as the reference computes it: sum(w_class * w_dist * CE) /
+    sum(w_class) over all slots (`rank_terms`, `normalised_loss`) -> (loss [] float32, metrics)."""
+    sums, counts, metrics = rank_terms(rank_logits, classes, valid)
+    return normalised_loss({RANK: sums}, {RANK: counts}, budget), metrics
 
 
 def rank_loss_weight(step: int, start: int) -> float:
@@ -422,12 +464,6 @@ def draft_metrics(correct: Tensor, valid: Tensor, kl: Tensor, prefix: Tensor) ->
         "accept_hist_sum": hist,
         "accept_hist_count": n_starts,
     }
-
-
-def ratio_metrics(metrics: dict[str, Tensor]) -> dict[str, Tensor]:
-    """`<name>_sum` / `<name>_count` for every pair (0 where the count is 0); call after all-reduce."""
-    names = [k[: -len("_sum")] for k in metrics if k.endswith("_sum")]
-    return {n: metrics[f"{n}_sum"] / metrics[f"{n}_count"].clamp_min(_EPS) for n in names}
 
 
 # ---------------------------------------------------------------- combined
@@ -479,12 +515,18 @@ def specblock_loss(
     alpha = prefix_weight(cfg.curriculum, step, epoch)
     # Distillation: forward KL per slot, (1-alpha) * full + alpha * valid-prefix, weighted by decay^k.
     kl = forward_kl(draft_logits, teacher, valid, cfg.draft_topk)
-    loss, slot_losses = distill_loss(kl, valid, cfg.slot_decay, prefix, alpha)
+    terms = distill_terms(kl, valid, prefix, cfg.slot_decay, alpha)
     metrics = draft_metrics(correct, valid, kl, prefix)
-    rank = torch.zeros((), device=loss.device)
+    rank = torch.zeros((), device=kl.device)
     if rank_logits is not None:
         classes = rank_classes(rank_of_target(draft_logits, teacher), cfg.rank_buckets)
-        rank, rank_metrics = rank_loss(rank_logits, classes, valid, cfg.rank_budget)
-        loss = loss + cfg.rank_weight * rank_loss_weight(step, cfg.rank_start_step) * rank
+        rank_sums, rank_counts, rank_metrics = rank_terms(rank_logits, classes, valid)
+        rank = normalised_loss({RANK: rank_sums.detach()}, {RANK: rank_counts}, cfg.rank_budget)
+        gate = cfg.rank_weight * rank_loss_weight(step, cfg.rank_start_step)
+        terms.sums[RANK], terms.counts[RANK] = gate * rank_sums, rank_counts
         metrics.update(rank_metrics)
-    return LossOutput(loss, metrics, slot_losses.detach(), rank.detach(), alpha)
+    with torch.no_grad():
+        w = slot_weights(kl.shape[-1], cfg.slot_decay, kl.device)
+        slot_losses = sum(terms.sums[t] / terms.counts[t].clamp_min(1.0) for t in (FULL, PREFIX)) / w
+    loss = normalised_loss(terms.sums, terms.counts, cfg.rank_budget)
+    return LossOutput(loss, terms, metrics, slot_losses, rank, alpha)

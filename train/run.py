@@ -17,15 +17,14 @@ from specblock.data.capture import load_feature_rows
 from specblock.data.manifest import read_manifest
 from specblock.data.prepare import prepare
 from specblock.data.shards import TokenDataset
-from specblock.data.target import default_feature_layers, load_target, load_target_config
+from specblock.data.target import TargetHead, default_feature_layers, load_target
 
 from .batching import collate
-from .checkpoint import list_checkpoints, read_model_state, resolve_resume, step_dir
+from .checkpoint import list_checkpoints, step_dir
 from .config import TrainConfig
-from .export import export_drafter, rebuild_drafter
+from .distill import STRATEGIES
+from .export import export_checkpoint
 from .modeling import build_drafter, build_vocab_map, count_tokens
-from .serving import SERVING_EXPORTS, ServingExportError
-from .strategies import STRATEGIES
 from .strategy import DrafterStrategy
 from .tracking import is_main, log0
 from .trainer import fit
@@ -82,7 +81,7 @@ def build(cfg: TrainConfig) -> Built:
         target.get_output_embeddings().weight,
         d2t,
     )
-    head = target.get_output_embeddings().weight.detach().clone() if cfg.features == "offline" else None
+    head = TargetHead.of(target, copy=True) if cfg.features == "offline" else None
     teacher = target if cfg.features == "online" else None
     strategy = STRATEGIES[cfg.drafter.name](module, teacher, layers, cfg.loss, cfg.strategy, head)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -134,48 +133,3 @@ def metrics_table(metrics: dict[str, float]) -> str:
     """A Markdown table of the logged metrics, per-slot ones first."""
     rows = sorted(metrics.items(), key=lambda kv: ("top1" not in kv[0] and "accept" not in kv[0], kv[0]))
     return "\n".join(["| metric | value |", "|---|---|"] + [f"| {k} | {v:.4g} |" for k, v in rows])
-
-
-def export_checkpoint(
-    cfg: TrainConfig, step: Path, out: str | Path, target_config: PretrainedConfig, card: dict | None = None
-) -> Path:
-    """Export the drafter stored in a step folder (merged from ZeRO shards if need be) to `out`."""
-    layers = cfg.data.target.feature_layers or default_feature_layers(target_config.num_hidden_layers)
-    drafter_cfg = cfg.drafter.specific(num_feature_layers=len(layers))
-    module = rebuild_drafter(cfg.drafter.name, drafter_cfg, target_config, read_model_state(step))
-    path = export_drafter(
-        module,
-        out,
-        name=cfg.drafter.name,
-        drafter_cfg=drafter_cfg,
-        target_config=target_config,
-        target_id=cfg.data.target.target_id,
-        target_revision=cfg.data.target.revision,
-        feature_layers=layers,
-        card=card,
-    )
-    serve = SERVING_EXPORTS.get(cfg.drafter.name)  # beside it: <out>-vllm, <out>-speculators
-    if serve is not None:
-        try:
-            verifier = cfg.data.target.name_or_path
-            for folder in serve(
-                module, path, target_config=target_config, feature_layers=layers, verifier=verifier
-            ):
-                log0(f"exported for serving engines: {folder}")
-        except ServingExportError as err:  # the project's own folder is written; only the engines' is not
-            log0(f"not exported for serving engines: {err}")
-    return path
-
-
-def export_from_checkpoint(run_dir: Path, step: str = "latest", out: str | None = None) -> Path:
-    """Re-export a run's drafter from one of its checkpoints (python -m specblock.train.export). Reads
-    only the run's config.yaml, the step folder and the target's config: no data stage, no weights."""
-    from .config import register_configs
-
-    register_configs()
-    cfg: TrainConfig = OmegaConf.to_object(
-        OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.load(run_dir / "config.yaml"))
-    )
-    target_config = load_target_config(cfg.data.target)
-    path = resolve_resume(step if step == "latest" else str(run_dir / step), cfg.trainer.output_dir)
-    return export_checkpoint(cfg, path, out or run_dir / "drafter", target_config)

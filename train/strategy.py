@@ -4,14 +4,23 @@ A drafter type (SpecBlock, EAGLE-3, ...) implements `DrafterStrategy`; the train
 one it runs. Anchors: fairseq2 `TrainUnit.process_batch`, SpecForge `DraftTrainStrategy`.
 
 Loss normalisation (what makes micro-batch 4 x accumulation 1 equal to 2 x 2, and 2 ranks equal to 1):
-`forward_loss` returns the SUM of its loss terms over the micro-batch, never a mean, and
-`num_loss_items(batch)` says how many terms that sum has (e.g. supervised tokens x unrolled
-positions). Before the first micro-batch of an optimizer step the trainer adds `num_loss_items`
-over all micro-batches of the step and all ranks (N), and back-propagates `loss_sum / N`: the
-gradient is that of the mean over every loss term of the effective batch, whatever the split.
-Weighted terms (e.g. a per-position decay) are fine as long as the same weights appear in the sum
-for every split. A strategy that returns a per-micro-batch mean instead gets a mean of means,
-which differs whenever micro-batches hold different numbers of terms.
+the loss of an optimizer step is the loss of its EFFECTIVE batch (every micro-batch of every rank taken
+as one batch), not a mean of per-micro-batch losses. A strategy's loss is a sum of terms of the form
+"numerator / count" (e.g. the mean KL of slot k = sum of its KL / its number of entries), so
+`forward_loss` returns the numerators (`StepOutput.sums`, with grad) and the counts (`StepOutput.counts`)
+of one micro-batch, and `loss(sums, counts)` divides. The trainer adds the counts over every
+micro-batch of the step and every rank and back-propagates `loss(sums_i, global counts)` for each
+micro-batch i. Because `loss` is linear in `sums`, these add up to the effective batch's loss, whatever
+the split. With one micro-batch and one rank this is `loss(sums, counts)` of the batch itself: the loss
+value does not depend on the accumulation machinery.
+
+Counts may depend on the forward (SpecBlock's valid-prefix entries depend on which slots the drafter
+gets right), so they are known only after it. The trainer therefore asks for the counts of the step's
+later micro-batches first (`loss_counts`, without gradients: for the real drafters one extra forward
+per extra micro-batch), then runs the first micro-batch, adds its counts, all-reduces once and
+back-propagates every micro-batch with the global counts; gradient accumulation keeps its memory
+footprint (nothing is held across micro-batches) at that price. With `grad_accum` 1 there is no extra
+forward: the counts all-reduce between the forward and the backward.
 """
 
 from __future__ import annotations
@@ -30,7 +39,11 @@ SCALAR_PREFIX = "scalar/"
 class StepOutput:
     """What `forward_loss` returns for one micro-batch.
 
-    loss: () the SUM of the loss terms of the micro-batch (see module docstring), with grad.
+    sums: name -> tensor (any shape, with grad): the loss's numerators over this micro-batch.
+    counts: name -> tensor (detached): what `loss` divides them by, over this micro-batch; they must
+        be sums over entries, so that adding them over micro-batches and ranks gives the effective
+        batch's. Keys and shapes are the same for every micro-batch and rank of a step (the trainer
+        reduces them in one collective).
     metrics: () tensors, detached. Ratios come as two keys, `"<name>/sum"` and `"<name>/count"`
         (e.g. `"acc_slot0/sum"`, `"acc_slot0/count"`); the trainer adds both over micro-batches,
         steps and ranks before it divides, and logs `<name>` (habit 13: ratios of global sums).
@@ -39,7 +52,8 @@ class StepOutput:
         rank, because the trainer reduces them in one collective.
     """
 
-    loss: Tensor
+    sums: dict[str, Tensor]
+    counts: dict[str, Tensor]
     metrics: dict[str, Tensor] = field(default_factory=dict)
 
 
@@ -62,8 +76,15 @@ class DrafterStrategy(Protocol):
     module: nn.Module
     teacher: nn.Module | None
 
-    def num_loss_items(self, batch: dict[str, Any]) -> int | Tensor:
-        """How many terms `forward_loss(batch).loss` sums (cheap: from masks, no forward)."""
+    def loss_counts(self, batch: dict[str, Any], step: int, epoch: int) -> dict[str, Tensor]:
+        """`forward_loss(batch, step, epoch).counts`, as cheaply as the strategy can (the trainer calls it
+        without gradients for the later micro-batches of a step). It may run the forward; it must not
+        change the strategy's state."""
+        ...
+
+    def loss(self, sums: dict[str, Tensor], counts: dict[str, Tensor]) -> Tensor:
+        """() the loss from one micro-batch's `sums` and the `counts` of the batch it is normalised
+        over (its own, or summed over every micro-batch and rank of the step). Linear in `sums`."""
         ...
 
     def num_tokens(self, batch: dict[str, Any]) -> int | Tensor:
@@ -71,7 +92,8 @@ class DrafterStrategy(Protocol):
         ...
 
     def forward_loss(self, batch: dict[str, Any], step: int, epoch: int) -> StepOutput:
-        """Loss SUM and metrics of one micro-batch; `step` counts optimizer steps already taken."""
+        """Loss numerators, counts and metrics of one micro-batch; `step` counts optimizer steps already
+        taken."""
         ...
 
     def state_dict(self) -> dict[str, Any]: ...

@@ -1,19 +1,21 @@
 """The one training loop: `fit(strategy, dataset, collate_fn, cfg)`, for every drafter type.
 
-The loop knows nothing about drafters (habit 4): a `DrafterStrategy` turns a micro-batch into a
-loss SUM and metric sums (see `strategy.py` for the normalisation contract). It runs the same way in
-one process, under DDP and under DeepSpeed ZeRO-2/3 (`accelerate launch --config_file
+The loop knows nothing about drafters (habit 4): a `DrafterStrategy` turns a micro-batch into loss
+numerators, their counts and metric sums (see `strategy.py` for the normalisation contract). It runs
+the same way in one process, under DDP and under DeepSpeed ZeRO-2/3 (`accelerate launch --config_file
 configs/accelerate/<name>.yaml`).
 
 Data order is ours, not accelerate's (`checkpoint.EpochSampler`, `checkpoint.micro_batch_stream`):
 resuming replays exactly the micro-batches an uninterrupted run would see, and nothing at iterator
 creation consumes the global RNG, so a resumed run matches an uninterrupted one bit for bit.
 
-Each optimizer step draws `grad_accum` micro-batches up front, counts their loss terms over all
-ranks (the global N), and back-propagates `loss_sum * grad_accum * world / N` through
-`accelerator.backward`, which divides by `grad_accum` and whose gradient reduction averages over
-ranks: the gradient is that of (sum of all loss terms) / N. (accelerate's documented recipe for
-loss normalisation over the number of items under gradient accumulation.)
+Each optimizer step draws `grad_accum` micro-batches up front, gets the loss counts of the later ones
+(`strategy.loss_counts`, no gradients), runs the first, adds its counts, all-reduces them over the
+ranks, and back-propagates `strategy.loss(sums_i, global counts) * grad_accum * world` for every
+micro-batch i through `accelerator.backward`, which divides by `grad_accum` and whose gradient
+reduction averages over ranks: the gradient is that of the effective batch's loss. (accelerate's
+documented recipe for loss normalisation over the number of items under gradient accumulation,
+with counts that may depend on the forward.)
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from .checkpoint import (
     resolve_resume,
     save_checkpoint,
 )
+from .ratios import Sums, ratios
 from .optim import OptimConfig, build_optimizer, build_scheduler
 from .strategy import COUNT_SUFFIX, SCALAR_PREFIX, SUM_SUFFIX, DrafterStrategy, StepOutput
 from .tracking import TRACKERS, NullTracker, accelerate_log_with, log0, make_tracker
@@ -54,6 +57,9 @@ LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
 KIB_PER_GIB = 1024**2  # ru_maxrss is in KiB on Linux
 BYTES_PER_GIB = 1024**3
 # Names the trainer logs itself (as train/<name>); strategy metrics may not reuse them.
+TOKENS = "tokens"  # the step's sequence tokens, reduced with the loss counts (a name no count uses)
+# The window's step losses, added (every rank adds its micro-batches' shares of each step's loss).
+LOSS_SUM = "loss" + SUM_SUFFIX
 RESERVED_METRICS = {"loss", "lr", "grad_norm", "epoch", "tokens_per_s", "tokens_seen", "peak_mem_gib"}
 
 
@@ -207,31 +213,26 @@ class MetricWindow:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device  # sums stay on the device: no host sync per micro-batch
-        self.sums: dict[str, torch.Tensor] = {}
+        self.sums = Sums(device)
         self.scalars: dict[str, torch.Tensor] = {}
         self.steps, self.tokens, self.grad_norm_sum, self.lr = 0, 0.0, 0.0, math.nan
         self.start = time.perf_counter()
 
     def add(self, name: str, value: torch.Tensor | float) -> None:
-        value = self._tensor(value)
-        self.sums[name] = self.sums[name] + value if name in self.sums else value
+        self.sums.add(name, value)
 
-    def add_output(self, out: StepOutput, n_items: float) -> None:
+    def add_output(self, out: StepOutput, loss: torch.Tensor | None = None) -> None:
+        """A micro-batch's metrics and its share of the step's loss (None: validation, see there)."""
         clash = {k.removeprefix(SCALAR_PREFIX).rsplit("/", 1)[0] for k in out.metrics} & RESERVED_METRICS
         if clash:
             raise ValueError(f"strategy metrics use names the trainer logs itself: {sorted(clash)}")
-        self.add("loss" + SUM_SUFFIX, out.loss)
-        self.add("loss" + COUNT_SUFFIX, n_items)
+        if loss is not None:
+            self.add(LOSS_SUM, loss)
         for name, value in out.metrics.items():
             if name.startswith(SCALAR_PREFIX):
-                self.scalars[name[len(SCALAR_PREFIX) :]] = self._tensor(value)
+                self.scalars[name[len(SCALAR_PREFIX) :]] = value.detach()
             else:
                 self.add(name, value)
-
-    def _tensor(self, value: torch.Tensor | float) -> torch.Tensor:
-        if isinstance(value, torch.Tensor):
-            value = value.detach()
-        return torch.as_tensor(value, dtype=torch.float64, device=self.device)
 
     def add_step(self, tokens: float, grad_norm: float, lr: float) -> None:
         """Once per optimizer step; `lr` is the one this step used."""
@@ -239,18 +240,17 @@ class MetricWindow:
         self.grad_norm_sum += grad_norm
 
     def reduce(self, accelerator: Accelerator) -> dict[str, float]:
-        """`<name>` = global sum of `<name>/sum` / global sum of `<name>/count`; scalars: mean over ranks."""
-        out: dict[str, float] = {}
-        for values, op in ((self.sums, "sum"), (self.scalars, "mean")):
-            if values:
-                keys = sorted(values)  # same order on every rank
-                total = accelerator.reduce(torch.stack([values[k] for k in keys]), op)
-                out.update(zip(keys, total.tolist()))
-        for key in [k for k in out if k.endswith(SUM_SUFFIX)]:
-            name = key[: -len(SUM_SUFFIX)]
-            if name + COUNT_SUFFIX in out:
-                total, count = out.pop(key), out.pop(name + COUNT_SUFFIX)
-                out[name] = total / count if count else math.nan  # nothing counted: no ratio
+        """`<name>` = global sum of `<name>/sum` / global sum of `<name>/count`; scalars: mean over ranks;
+        `loss`: the mean over the window's optimizer steps of each step's (effective batch's) loss.
+        Collective."""
+        totals = self.sums.reduce(accelerator)
+        out = ratios(totals, SUM_SUFFIX, COUNT_SUFFIX)
+        paired = {name + suffix for name in out for suffix in (SUM_SUFFIX, COUNT_SUFFIX)}
+        out.update({k: float(v) for k, v in totals.items() if k not in paired and k != LOSS_SUM})
+        if LOSS_SUM in totals:
+            out["loss"] = float(totals[LOSS_SUM]) / max(self.steps, 1)
+        scalars = Sums(self.device).update(self.scalars).reduce(accelerator, "mean")
+        out.update({k: float(v) for k, v in scalars.items()})
         elapsed = max(time.perf_counter() - self.start, 1e-9)
         grad_norm = self.grad_norm_sum / max(self.steps, 1)
         out.update(tokens_per_s=self.tokens / elapsed, grad_norm=grad_norm, lr=self.lr)
@@ -353,20 +353,49 @@ def _draw(run: _Run) -> list[tuple[Any, int]]:
     return drawn
 
 
+def _counts_ahead(run: _Run, strategy: DrafterStrategy, micro: list[tuple[Any, int]]) -> list[dict]:
+    """The loss counts of a step's micro-batches after the first, without gradients. In a fork of the
+    RNG, so that a strategy drawing random numbers in its forward (dropout) trains on the same stream
+    whatever `grad_accum` is."""
+    if len(micro) < 2:
+        return []
+    acc, step = run.accelerator, run.progress.step
+    devices = [acc.device] if acc.device.type == "cuda" else []
+    with torch.no_grad(), torch.random.fork_rng(devices=devices), acc.autocast():
+        return [strategy.loss_counts(batch, step, epoch) for batch, epoch in micro[1:]]
+
+
+def _step_counts(
+    acc: Accelerator, first: Mapping[str, Any], ahead: list[Mapping[str, Any]], tokens: float
+) -> dict[str, torch.Tensor]:
+    """The loss counts of every micro-batch of the step (the first's, then `_counts_ahead`'s) and its
+    sequence tokens, added over the micro-batches and the ranks (one collective)."""
+    if TOKENS in first:
+        raise ValueError(f"strategy loss counts may not use the name {TOKENS!r}: the trainer's")
+    total = Sums(acc.device).update({**first, TOKENS: tokens})
+    for part in ahead:
+        total.update(part)
+    return total.reduce(acc)
+
+
 def _train_step(run: _Run, strategy: DrafterStrategy, window: MetricWindow) -> None:
-    """One optimizer update over `grad_accum` micro-batches."""
+    """One optimizer update over `grad_accum` micro-batches (the loss contract: `strategy.py`)."""
     acc, progress, start = run.accelerator, run.progress, time.perf_counter()
     micro = _draw(run)
-    counts = [[float(strategy.num_loss_items(b)), float(strategy.num_tokens(b))] for b, _ in micro]
-    local = torch.tensor(counts, dtype=torch.float64, device=acc.device)  # [grad_accum, 2]
-    n_items, n_tokens = acc.reduce(local.sum(0), "sum").tolist()  # global over micro-batches and ranks
-    scale = acc.gradient_accumulation_steps * acc.num_processes / max(n_items, 1.0)
-    for (batch, epoch), n_local in zip(micro, local[:, 0].tolist()):
+    ahead = _counts_ahead(run, strategy, micro)
+    tokens = sum(float(strategy.num_tokens(b)) for b, _ in micro)
+    scale = acc.gradient_accumulation_steps * acc.num_processes  # undo backward's / GA and DDP's mean
+    counts = None
+    for batch, epoch in micro:
         with acc.accumulate(run.model):
             with acc.autocast():
                 out = strategy.forward_loss(batch, progress.step, epoch)
-            acc.backward(out.loss * scale)
-        window.add_output(out, n_local)
+            if counts is None:  # the first micro-batch: now every count of the step is known
+                counts = _step_counts(acc, out.counts, ahead, tokens)
+                n_tokens = float(counts.pop(TOKENS))
+            loss = strategy.loss(out.sums, counts)
+            acc.backward(loss * scale)
+        window.add_output(out, loss.detach())
     if not acc.sync_gradients:
         raise RuntimeError("gradient accumulation is out of step with the trainer's micro-batch count")
     grad_norm = acc.clip_grad_norm_(run.model.parameters(), run.cfg.optim.grad_clip or math.inf)

@@ -3,7 +3,9 @@
 Every `eval_every` optimizer steps (and after the last one) the trainer runs the strategy's own
 `forward_loss` on a held-out split, without gradients, and reduces its metric sums over every batch and
 rank before dividing (the same ratios of global sums as training: per-slot top-1, simulated acceptance
-length, Rank Head accuracy, KL). The logged names are `val/<metric>`.
+length, Rank Head accuracy, KL). `val/loss` is the loss of the whole split taken as one batch: the
+strategy's `loss` of the loss sums and counts added over every batch and rank. The logged names are
+`val/<metric>`.
 
 The best step by `best_metric` is saved as a checkpoint whatever `save_every` says, survives `keep_last`
 pruning, and is named in `<output_dir>/best.json`; the run exports it (as speculators keeps its
@@ -26,6 +28,7 @@ from accelerate.utils import send_to_device
 
 from specblock.data.io import write_json_atomic
 
+from .ratios import Sums
 from .strategy import DrafterStrategy
 from .tracking import log0
 
@@ -84,6 +87,7 @@ def evaluate(
     MetricWindow. Collective: every rank must call it."""
     strategy.module.eval()
     window = window_factory()
+    sums, counts = Sums(accelerator.device), Sums(accelerator.device)
     starts = range(0, len(dataset), micro_batch_size)
     mine = [s for i, s in enumerate(starts) if i % accelerator.num_processes == accelerator.process_index]
     for start in mine:
@@ -91,8 +95,13 @@ def evaluate(
         batch = send_to_device(collate_fn(rows), accelerator.device)
         with accelerator.autocast():
             out = strategy.forward_loss(batch, step, 0)
-        window.add_output(out, float(strategy.num_loss_items(batch)))
+        window.add_output(out)
+        sums.update(out.sums)
+        counts.update(out.counts)
     stats = window.reduce(accelerator)
+    # the loss of the whole split taken as one batch
+    sums, counts = sums.reduce(accelerator), counts.reduce(accelerator)
+    stats["loss"] = float(strategy.loss(sums, counts)) if sums else math.nan
     strategy.module.train()
     return {f"val/{k}": v for k, v in stats.items() if k not in _TRAINING_ONLY}
 

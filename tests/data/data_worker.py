@@ -14,11 +14,13 @@ from omegaconf import OmegaConf
 
 from specblock.data import regenerate as regen
 from specblock.data.config import register_configs
+from specblock.data.logs import setup_logging
 from specblock.data.prepare import prepare
 from specblock.data.world import launched_world
 
 
 def main(crash_rank: int, crash_at: int, overrides: list[str]) -> None:
+    setup_logging()
     register_configs()
     with initialize_config_module("specblock.configs", version_base=None):
         cfg = OmegaConf.to_object(compose("prepare", overrides=overrides)).data

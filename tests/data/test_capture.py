@@ -1,9 +1,10 @@
+import logging
 from dataclasses import replace
 
 import pytest
 import torch
 from tokenizers import Tokenizer, models
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
 from specblock.data.capture import (
     CaptureConfig,
@@ -25,22 +26,14 @@ from specblock.data.manifest import (
 )
 from specblock.data.target import FeatureTarget
 
+from tiny_models import tiny_llama
+
 VOCAB, HIDDEN, LAYERS = 100, 32, 4
 
 
 @pytest.fixture(scope="module")
 def target() -> FeatureTarget:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=64,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-    )
-    return FeatureTarget(LlamaForCausalLM(config), target_id="tiny-llama")
+    return FeatureTarget(tiny_llama(VOCAB, layers=LAYERS), target_id="tiny-llama")
 
 
 @pytest.fixture(scope="module")
@@ -59,12 +52,13 @@ def make_rows(n: int, seed: int = 0, max_len: int = 20) -> list[dict]:
     return rows
 
 
-def test_capture_stores_features_that_match_the_target(tmp_path, target, tokenizer, capsys):
+def test_capture_stores_features_that_match_the_target(tmp_path, target, tokenizer, caplog):
+    caplog.set_level(logging.INFO, logger="specblock")
     rows = make_rows(7)
     rows[3] = {"input_ids": list(range(30)), "loss_mask": [1] * 30}  # longer than max_length: truncated
     cfg = CaptureConfig(max_length=16, batch_size=2, shard_rows=3)
     out = capture_features(target, rows, tmp_path / "feat", cfg, tokenizer=tokenizer, source="toy.jsonl")
-    assert "7 rows" in capsys.readouterr().out
+    assert "7 rows" in caplog.text
     manifest = read_manifest(out)
     assert [s.file for s in manifest.shards] == [f"features-0000{i}.safetensors" for i in range(3)]
     assert [s.rows for s in manifest.shards] == [3, 3, 1] and manifest.num_samples == 7
@@ -85,7 +79,8 @@ def test_capture_stores_features_that_match_the_target(tmp_path, target, tokeniz
         torch.testing.assert_close(logits, alone.logits[0], atol=5e-2, rtol=5e-2)
 
 
-def test_bad_rows_error_or_are_skipped_and_counted(tmp_path, target, tokenizer, capsys):
+def test_bad_rows_error_or_are_skipped_and_counted(tmp_path, target, tokenizer, caplog):
+    caplog.set_level(logging.INFO, logger="specblock")
     rows = make_rows(5)
     rows[1] = {"input_ids": [1, 2, 3], "loss_mask": [1, 1]}
     rows[3] = {"input_ids": [1, VOCAB + 5], "loss_mask": [0, 1]}
@@ -95,13 +90,14 @@ def test_bad_rows_error_or_are_skipped_and_counted(tmp_path, target, tokenizer, 
     assert not (tmp_path / "a").exists()
     skip = CaptureConfig(on_bad_row="skip")
     out = capture_features(target, rows, tmp_path / "b", skip, tokenizer=tokenizer)
-    assert "skipped 2 bad rows" in capsys.readouterr().out
+    assert "skipped 2 bad rows" in caplog.text
     assert [r["row_index"] for r in load_feature_rows(out / "features-00000.safetensors")] == [0, 2, 4]
     with pytest.raises(BadInputError, match="row 0, field 'input_ids': missing"):
         capture_features(target, [{"loss_mask": [1]}], tmp_path / "c", tokenizer=tokenizer)
 
 
-def test_max_gb_refuses_before_writing_and_max_rows_caps(tmp_path, target, tokenizer, capsys):
+def test_max_gb_refuses_before_writing_and_max_rows_caps(tmp_path, target, tokenizer, caplog):
+    caplog.set_level(logging.INFO, logger="specblock")
     rows = make_rows(6, max_len=10)
     per_token = bytes_per_token(3, HIDDEN, "float16")
     assert per_token == 4 * HIDDEN * 2 + 5
@@ -109,7 +105,7 @@ def test_max_gb_refuses_before_writing_and_max_rows_caps(tmp_path, target, token
     cfg = CaptureConfig(dtype="float16", max_gb=first_three / 1e9)
     with pytest.raises(CaptureTooLargeError, match="set max_rows=3 to capture the rows that fit"):
         capture_features(target, rows, tmp_path / "f", cfg, tokenizer=tokenizer)
-    assert "GB" in capsys.readouterr().out and not (tmp_path / "f").exists()
+    assert "GB" in caplog.text and not (tmp_path / "f").exists()
     capped = CaptureConfig(dtype="float16", max_gb=cfg.max_gb, max_rows=3)
     out = capture_features(target, rows, tmp_path / "f", capped, tokenizer=tokenizer)
     assert read_manifest(out).num_samples == 3

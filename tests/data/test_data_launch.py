@@ -16,11 +16,12 @@ from omegaconf import OmegaConf
 
 from specblock.data.capture import load_feature_rows
 from specblock.data.config import register_configs
+from specblock.data.logs import ALL_RANKS_ENV
 from specblock.data.manifest import read_manifest
 from specblock.data.prepare import prepare
 from specblock.data.shards import TokenDataset
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # real launches: 12-25 s each
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("data_worker.py")
 ACCELERATE = Path(sys.executable).with_name("accelerate")
@@ -35,7 +36,8 @@ def free_port() -> int:
 
 
 def launch(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+    # every rank's messages: the test reads rank 1's account of its resumed share
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", ALL_RANKS_ENV: "1"}
     cmd = [str(ACCELERATE), "launch", "--config_file", str(REPO / "configs/accelerate/ddp.yaml")]
     cmd += ["--num_processes", "2", "--main_process_port", str(free_port()), *args]
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)

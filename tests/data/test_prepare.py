@@ -2,6 +2,7 @@
 token shards + manifest -> offline features; re-running skips, a changed recipe is refused."""
 
 import json
+import logging
 
 import pytest
 from hydra import compose, initialize_config_module
@@ -48,9 +49,10 @@ def setup(tiny_chat, tmp_path):
     return config
 
 
-def test_prepare_end_to_end_then_skip_then_refuse(setup, monkeypatch, capsys):
+def test_prepare_end_to_end_then_skip_then_refuse(setup, monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="specblock")
     result = prep.prepare(setup())
-    out = capsys.readouterr().out
+    out = caplog.text
     assert "skipped 3 bad rows" in out and "prompt longer than max_prompt_tokens=20" in out
     data = TokenDataset(result.tokens_dir)
     assert len(data) == result.num_rows == 3
@@ -64,8 +66,9 @@ def test_prepare_end_to_end_then_skip_then_refuse(setup, monkeypatch, capsys):
     assert (result.tokens_dir.parent / "regenerated.jsonl").is_file()
 
     monkeypatch.setattr(prep, "regenerate", lambda *a, **k: pytest.fail("an up-to-date stage ran again"))
+    caplog.clear()
     again = prep.prepare(setup())
-    assert again.num_rows == 3 and "up to date" in capsys.readouterr().out
+    assert again.num_rows == 3 and "up to date" in caplog.text
 
     with pytest.raises(ManifestMismatchError, match="max_length: expected 48 vs found 64"):
         prep.prepare(setup(max_length=48, features=FeaturesConfig()))

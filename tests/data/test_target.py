@@ -7,7 +7,7 @@ import pytest
 import torch
 from gguf import GGUFWriter
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 from specblock.data import target as tg
 from specblock.data.errors import BadInputError
@@ -24,34 +24,19 @@ from specblock.data.target import (
     max_logit_difference,
 )
 
+import tiny_models
+
 VOCAB = 100
 TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
 # Two shapes: different width, heads and depth; the second ties the LM head to the embeddings.
 SHAPES = {
-    "h32-l4-untied": dict(
-        hidden_size=32,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-    ),
-    "h48-l6-tied": dict(
-        hidden_size=48,
-        num_hidden_layers=6,
-        num_attention_heads=3,
-        num_key_value_heads=1,
-        tie_word_embeddings=True,
-    ),
+    "h32-l4-untied": dict(hidden=32, layers=4, heads=4, kv_heads=2, tie_word_embeddings=False),
+    "h48-l6-tied": dict(hidden=48, layers=6, heads=3, kv_heads=1, tie_word_embeddings=True),
 }
 
 
 def tiny_llama(shape: str = "h32-l4-untied", seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    s = SHAPES[shape]
-    config = LlamaConfig(
-        vocab_size=VOCAB, intermediate_size=2 * s["hidden_size"], max_position_embeddings=128, **s
-    )
-    return LlamaForCausalLM(config).eval()
+    return tiny_models.tiny_llama(VOCAB, seed=seed, **SHAPES[shape])
 
 
 def tiny_tokenizer() -> PreTrainedTokenizerFast:

@@ -3,9 +3,6 @@ streams, the revert guard, and exactness of decoding while the drafter adapts.""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -21,11 +18,10 @@ from specblock.evaluate.adapt import (
     slot_labels,
 )
 from specblock.evaluate.decode import DecodeConfig, SpeculativeDecoder
+from specblock.evaluate.drafting import TreeConfig
 from specblock.evaluate.verify.exact import enumerate_outcomes
 
-_spec = importlib.util.spec_from_file_location("td", Path(__file__).with_name("test_decode.py"))
-td = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(td)
+import tiny_decoding as td  # tests/support
 
 
 def test_feedback_loss_counts_the_valid_prefix_only():
@@ -182,7 +178,7 @@ def test_greedy_decoding_stays_exact_while_adapting(setup, drafter):
     before = {k: v.clone() for k, v in d.state_dict().items()}
     arms = ["rank_head", "last_layer", "lora"] if drafter == "specblock" else ["last_layer", "lora"]
     ad = Adapter(d, AdaptConfig(arms=arms, window=1, steps=2, lr=1e-2))
-    cfg = DecodeConfig("tree", max_new_tokens=16, tree=td.TreeConfig(budget=10, steps=2, beam=3, topk=3))
+    cfg = DecodeConfig("tree", max_new_tokens=16, tree=TreeConfig(budget=10, steps=2, beam=3, topk=3))
     dec = SpeculativeDecoder(target, d, cfg, adapter=ad)
     ar = SpeculativeDecoder(target, None, DecodeConfig(mode="autoregressive", max_new_tokens=16))
     for prompt in ([1, 5, 9, 3], [7, 2], [4, 4, 8], [9, 1, 1, 2]):
@@ -211,11 +207,7 @@ def test_sampled_decoding_law_is_exact_after_adaptation(monkeypatch):
     law: dict[tuple, float] = {}
     for w, seq in enumerate_outcomes(lambda s: tuple(dec.generate(td.PROMPT, sampler=s).tokens)):
         law[seq] = law.get(seq, 0.0) + w
-    td.HORIZON, saved = 2, td.HORIZON
-    try:
-        ref = td.exact_law(target, 1.0, 0.5)
-    finally:
-        td.HORIZON = saved
+    ref = td.exact_law(target, 1.0, 0.5, horizon=2)
     assert max(abs(law.get(x, 0.0) - ref.get(x, 0.0)) for x in set(law) | set(ref)) < 1e-6
 
 

@@ -9,19 +9,15 @@ import time
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from specblock.data.target import FeatureTarget
 from specblock.evaluate import decode as decode_mod
 from specblock.evaluate.decode import DecodeConfig, SpeculativeDecoder, TargetSession, greedy_path
 from specblock.evaluate.drafting import DraftTree, TreeConfig, drafts_tree
-from specblock.evaluate.laws import next_token_law
 from specblock.evaluate.verify import VerifyOutput
 from specblock.evaluate.verify.exact import enumerate_outcomes
 from specblock.evaluate.verify import base as verify_base
-from specblock.train.modeling import build_drafter
-from specblock.train.modeling.eagle3 import Eagle3Config
-from specblock.train.modeling.specblock import SpecBlockConfig
+
+from tiny_decoding import HORIZON, PROMPT, VOCAB, drafters, exact_law, tiny_target
 
 SCHEMES = [  # (mode, verifier, num_drafts)
     ("chain", "token", 1),
@@ -33,36 +29,6 @@ SCHEMES = [  # (mode, verifier, num_drafts)
     ("iid", "greedy", 2),
     ("tree", "token", 1),
 ]
-PROMPT = [1, 5, 9, 3]
-
-
-def tiny_target(vocab: int, sharpen: float, seed: int = 0) -> FeatureTarget:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():  # a peaked target: a few likely continuations, so few samples test its law
-        model.lm_head.weight.mul_(sharpen)
-    return FeatureTarget(model)
-
-
-def drafters(target: FeatureTarget, seed: int = 1):
-    torch.manual_seed(seed)
-    m = target.model
-    emb, head = m.get_input_embeddings().weight, m.get_output_embeddings().weight
-    sb = SpecBlockConfig(block_size=3, num_layers=2, rank_hidden=16)
-    return {
-        "specblock": build_drafter("specblock", sb, m.config, emb, head * 0.7).eval(),
-        "eagle3": build_drafter("eagle3", Eagle3Config(ttt_length=3), m.config, emb, head * 0.7).eval(),
-    }
 
 
 @pytest.fixture(scope="module")
@@ -178,22 +144,7 @@ class OracleRoot:
 
 # ---------------------------------------------------------------- statistical fidelity
 
-VOCAB, HORIZON, SAMPLES = 24, 3, 1200
-
-
-def exact_law(target: FeatureTarget, temperature: float, top_p: float, prompt=PROMPT) -> dict[tuple, float]:
-    """The target's law of the first HORIZON new tokens after `prompt`, by enumeration."""
-    law = {(): 1.0}
-    for _ in range(HORIZON):
-        seqs = list(law)
-        ids = torch.tensor([prompt + list(s) for s in seqs])
-        with torch.no_grad():
-            logits = target.model(ids).logits[:, -1].float()
-        probs = next_token_law(logits, temperature, top_p).double()
-        law = {
-            s + (t,): law[s] * float(probs[i, t]) for i, s in enumerate(seqs) for t in range(probs.shape[1])
-        }
-    return law
+SAMPLES = 1200
 
 
 def chi_square_pvalue(counts: dict[tuple, int], law: dict[tuple, float], n: int) -> float:
@@ -244,6 +195,7 @@ FIDELITY = [  # (drafter, mode, verifier, K, L, temperature, top_p)
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("drafter,mode,verifier,k,length,temperature,top_p", FIDELITY)
 def test_generated_law_matches_target(fidelity_setup, drafter, mode, verifier, k, length, temperature, top_p):
     target, ds = fidelity_setup
@@ -253,6 +205,7 @@ def test_generated_law_matches_target(fidelity_setup, drafter, mode, verifier, k
     assert chi_square_pvalue(counts, exact_law(target, temperature, top_p), SAMPLES) > 1e-4
 
 
+@pytest.mark.slow
 def test_fidelity_check_catches_a_lossy_verifier(fidelity_setup, monkeypatch):
     """Negative control: a verifier that accepts every draft token outputs the draft's law, and the
     same statistic rejects it."""
@@ -400,6 +353,7 @@ def max_error(a: dict, b: dict) -> float:
     return max(abs(a.get(x, 0.0) - b.get(x, 0.0)) for x in set(a) | set(b))
 
 
+@pytest.mark.slow
 def test_exact_law_of_the_loop_with_continuations(exact_setup):
     """greedy_block through the real loop (KV caches, tree forward, LawBook continuations): the law of
     three generated tokens equals the target's to float precision; with the continuation dropped it

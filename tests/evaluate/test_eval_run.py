@@ -118,6 +118,7 @@ def test_sweep_report_pools_jobs_and_plots_swept_axes(tmp_path):
     assert len(read_jsonl(tmp_path / "report" / "pooled.jsonl")) == 4
 
 
+@pytest.mark.slow
 def test_multirun_sweep_writes_one_folder_per_job_and_pools(tmp_path):
     """`python -m specblock.evaluate --multirun draft_length=2,3` on the tiny target, then eval-report."""
     import subprocess

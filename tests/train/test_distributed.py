@@ -1,13 +1,12 @@
 """Real `accelerate launch` runs of the trainer with 2 CPU processes: DDP, ZeRO-2 (bf16), ZeRO-3.
 
-Each launch runs tests/train/dist_worker.py: an uninterrupted run, a run that crashes after its
+Each launch runs tests/support/tiny_strategy.py: an uninterrupted run, a run that crashes after its
 step-4 checkpoint and resumes from it, and a dropout-free run compared here with one process
 (2 ranks x micro-batch 2 x accumulation 2 == 1 rank x micro-batch 4 x accumulation 2).
 Seconds per launch on 2 shared cores: ~7 (DDP), ~10 (ZeRO-2/3), +~30 for DeepSpeed's first JIT build
 of its comm op (cached in TORCH_EXTENSIONS_DIR, default <repo>/.cache/torch_extensions; needs ninja).
 """
 
-import importlib.util
 import json
 import os
 import socket
@@ -21,10 +20,12 @@ import torch
 from specblock.train.checkpoint import find_latest, read_model_state
 from specblock.train.trainer import fit
 
-pytestmark = pytest.mark.distributed
+import tiny_strategy as tiny
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # real launches: 12-25 s each
 
 REPO = Path(__file__).resolve().parents[2]
-WORKER = Path(__file__).with_name("dist_worker.py")
+WORKER = REPO / "tests" / "support" / "tiny_strategy.py"
 ACCELERATE = Path(sys.executable).with_name("accelerate")
 LAUNCH_TIMEOUT_S = 300  # a launch takes 7-40 s here; leave room for a loaded machine
 # config -> (expected distributed type, precision, environment that makes it run on CPU)
@@ -33,10 +34,6 @@ CASES = {
     "zero2": ("DEEPSPEED", "bf16", {"DS_ACCELERATOR": "cpu"}),
     "zero3": ("DEEPSPEED", "no", {"DS_ACCELERATOR": "cpu"}),
 }
-
-_spec = importlib.util.spec_from_file_location("specblock_tests_dist_worker", WORKER)
-tiny = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(tiny)
 
 
 def free_port() -> int:

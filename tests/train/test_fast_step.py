@@ -14,10 +14,10 @@ import torch.nn.functional as F
 
 from specblock.train import losses
 from specblock.train.batching import shifted_tokens
-from specblock.train.losses import LossConfig, leading_run
-from specblock.train.modeling import build_drafter, common
-from specblock.train.config import DrafterConfig
-from specblock.train.strategies import STRATEGIES, StrategyConfig
+from specblock.train.losses import leading_run
+from specblock.train.modeling import common
+
+from tiny_models import distill_strategy
 
 V, H, T, B, K, VD = 48, 32, 12, 3, 3, 20
 
@@ -42,13 +42,18 @@ def reference_teacher(batch, logits, d2t, t2d, slots):
     return teacher, exists[None] & real & t2d[logits.argmax(-1)][:, rows]
 
 
+def mean_per_slot(x, mask):
+    return (x * mask).sum((0, 1)) / mask.sum((0, 1)).clamp_min(1)
+
+
 def reference_block_loss(out, teacher, valid, cfg, step):
     """specblock_loss as first written, on a materialised teacher (no TeacherLaw)."""
     correct = valid & (out.logits.argmax(-1) == teacher.argmax(-1))
     prefix = valid & leading_run(correct)
     alpha = losses.prefix_weight(cfg.curriculum, step, 0.0)
     kl = reference_kl(out.logits, teacher, valid)
-    loss, _ = losses.distill_loss(kl, valid, cfg.slot_decay, prefix, alpha)
+    per_slot = (1 - alpha) * mean_per_slot(kl, valid) + alpha * mean_per_slot(kl, prefix)
+    loss = (losses.slot_weights(kl.shape[-1], cfg.slot_decay) * per_slot).sum()
     if out.rank_logits is not None:
         ranks = 1 + (out.logits > out.logits.gather(-1, teacher.argmax(-1, keepdim=True))).sum(-1)
         classes = losses.rank_classes(ranks, cfg.rank_buckets)
@@ -66,44 +71,7 @@ def reference_forward_loss(strategy, batch, step):
         total = total + reference_block_loss(
             out, teacher[:, :, off : off + K], valid[:, :, off : off + K], strategy.loss_cfg, step
         )
-    return total * strategy.num_loss_items(batch)
-
-
-def make_strategy(name):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    target = (
-        LlamaForCausalLM(
-            LlamaConfig(
-                vocab_size=V,
-                hidden_size=H,
-                intermediate_size=2 * H,
-                num_hidden_layers=6,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                max_position_embeddings=128,
-            )
-        )
-        .double()
-        .eval()
-    )
-    d2t = torch.randperm(V)[:VD].sort().values
-    cfg = DrafterConfig(name=name, block_size=K, ttt_length=K, draft_vocab_size=VD, rank_hidden=16)
-    module = build_drafter(
-        name,
-        cfg.specific(3),
-        target.config,
-        target.get_input_embeddings().weight,
-        target.get_output_embeddings().weight,
-        d2t,
-    ).double()
-    # move off the initialisation (shift projections start at [I | 0]) so every parameter matters
-    with torch.no_grad():
-        for p in module.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    loss = LossConfig(curriculum=losses.CurriculumConfig(0, 10), rank_budget=2)
-    return STRATEGIES[name](module, target, [2, 3, 4], loss, StrategyConfig(num_ttt_blocks=2, seed=1))
+    return total
 
 
 def padded_batch():
@@ -118,10 +86,11 @@ def padded_batch():
 
 @pytest.mark.parametrize("name", ["specblock", "eagle3"])
 def test_fast_step_has_the_same_loss_and_gradients(name, monkeypatch):
-    strategy, batch, step = make_strategy(name), padded_batch(), 5  # step 5: alpha = 0.5, 2 blocks
+    strategy, batch, step = distill_strategy(name), padded_batch(), 5  # step 5: alpha = 0.5, 2 blocks
     params = [p for p in strategy.module.parameters() if p.requires_grad]
 
-    fast = strategy.forward_loss(batch, step, 0).loss
+    out = strategy.forward_loss(batch, step, 0)
+    fast = strategy.loss(out.sums, out.counts)
     fast_grads = torch.autograd.grad(fast, params)
     # the reference: dense masks everywhere (grid_mask never answers "causal")
     monkeypatch.setattr(common, "right_padded", lambda valid: False)

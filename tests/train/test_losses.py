@@ -10,12 +10,14 @@ from specblock.train.losses import (
     RELEASE_TOPK_PER_CLASS,
     CurriculumConfig,
     LossConfig,
+    FULL,
+    RANK,
     branching_for_class,
-    class_balance_weights,
+    budget_weights,
     distance_weight,
-    distill_loss,
+    distill_terms,
     forward_kl,
-    masked_mean_per_slot,
+    normalised_loss,
     ordinal_soft_targets,
     prefix_weight,
     rank_chain_mask,
@@ -23,7 +25,7 @@ from specblock.train.losses import (
     rank_loss,
     rank_loss_weight,
     rank_of_target,
-    ratio_metrics,
+    rank_terms,
     slot_weights,
     specblock_loss,
     valid_prefix_mask,
@@ -31,6 +33,11 @@ from specblock.train.losses import (
 
 V = 5
 LN2 = math.log(2.0)
+
+
+def masked_mean_per_slot(x, mask):
+    """Reference: x [B,S,K], mask [B,S,K] bool -> [K] per-slot mean over masked entries (0 if none)."""
+    return (x * mask).sum((0, 1)) / mask.sum((0, 1)).clamp_min(1)
 
 
 def peaked(tokens, sharpness: float = 4.0, noise: float = 0.0) -> torch.Tensor:
@@ -129,23 +136,49 @@ def test_forward_kl_topk_uses_unrenormalised_teacher_mass():
     torch.testing.assert_close(forward_kl(draft, teacher, valid, topk=4), forward_kl(draft, teacher, valid))
 
 
-def test_distill_loss_is_ratio_of_sums_per_slot_with_slot_weights():
+def test_distill_terms_are_per_slot_ratios_of_sums_with_slot_weights():
     kl = torch.tensor([[[1.0, 2.0, 3.0, 9.0], [3.0, 4.0, 5.0, 9.0]]])  # [B=1, S=2, K=4]
     valid = torch.tensor([[[True, True, True, False], [True, True, False, False]]])
-    loss, per_slot = distill_loss(kl, valid, decay=0.8)
-    torch.testing.assert_close(per_slot, torch.tensor([2.0, 3.0, 3.0, 0.0]))  # slot 3: no entry -> 0
-    torch.testing.assert_close(loss, torch.tensor(2.0 + 0.8 * 3.0 + 0.64 * 3.0))
+    terms = distill_terms(kl, valid, valid, decay=0.8, alpha=0.0)
+    assert terms.counts[FULL].tolist() == [2.0, 2.0, 1.0, 0.0]
+    torch.testing.assert_close(terms.sums[FULL], torch.tensor([4.0, 0.8 * 6.0, 0.64 * 3.0, 0.0]))
+    loss = normalised_loss(terms.sums, terms.counts, rank_budget=10)
+    torch.testing.assert_close(loss, torch.tensor(2.0 + 0.8 * 3.0 + 0.64 * 3.0))  # slot 3: no entry -> 0
 
 
-def test_distill_loss_blends_full_and_prefix_means():
+def test_distill_terms_blend_full_and_prefix_means():
     kl = torch.tensor([[[1.0, 2.0, 3.0], [3.0, 4.0, 5.0]]])  # [B=1, S=2, K=3]
     valid = torch.ones(1, 2, 3, dtype=torch.bool)
     prefix = torch.tensor([[[True, True, False], [True, False, False]]])  # slot 2: no prefix entry
     full, prefix_only = torch.tensor([2.0, 3.0, 4.0]), torch.tensor([2.0, 2.0, 0.0])
     torch.testing.assert_close(masked_mean_per_slot(kl, prefix), prefix_only)
     for alpha in (0.0, 0.25, 1.0):
-        _, per_slot = distill_loss(kl, valid, 0.8, prefix, alpha)
-        torch.testing.assert_close(per_slot, (1 - alpha) * full + alpha * prefix_only)
+        terms = distill_terms(kl, valid, prefix, 0.8, alpha)
+        expected = (slot_weights(3) * ((1 - alpha) * full + alpha * prefix_only)).sum()
+        torch.testing.assert_close(normalised_loss(terms.sums, terms.counts, 10), expected)
+
+
+def test_normalised_loss_of_added_terms_is_the_loss_of_the_joined_batch():
+    """The accumulation contract: terms of two halves, normalised by the summed counts, add up to the
+    loss of the whole batch, although the halves' own means differ (prefix and rank class counts too)."""
+    g = torch.Generator().manual_seed(0)
+    kl = torch.rand(4, 3, 3, generator=g)
+    valid = torch.rand(4, 3, 3, generator=g) > 0.3
+    prefix = valid & (torch.rand(4, 3, 3, generator=g) > 0.5)
+    rank_logits = torch.randn(4, 3, 3, 4, generator=g)
+    classes = torch.randint(0, 4, (4, 3, 3), generator=g)
+
+    def terms(rows):
+        t = distill_terms(kl[rows], valid[rows], prefix[rows], 0.8, 0.3)
+        t.sums[RANK], t.counts[RANK], _ = rank_terms(rank_logits[rows], classes[rows], valid[rows])
+        return t
+
+    whole, halves = terms(slice(0, 4)), [terms(slice(0, 1)), terms(slice(1, 4))]
+    counts = {k: halves[0].counts[k] + halves[1].counts[k] for k in whole.counts}
+    joined = sum(normalised_loss(h.sums, counts, rank_budget=1) for h in halves)
+    torch.testing.assert_close(joined, normalised_loss(whole.sums, whole.counts, rank_budget=1))
+    own = sum(normalised_loss(h.sums, h.counts, rank_budget=1) for h in halves) / 2
+    assert not torch.isclose(own, joined)  # a mean of the halves' losses differs
 
 
 def test_valid_prefix_mask_constructed_case():
@@ -200,6 +233,7 @@ def test_specblock_loss_follows_the_curriculum():
 def test_prefix_mask_zeroes_gradients_of_masked_slots():
     draft, teacher, valid = case()
     out = specblock_loss(draft, teacher, valid, None, LossConfig(curriculum=CurriculumConfig(0, 0)), step=0)
+    assert set(out.terms.sums) == {FULL, "prefix"} and out.terms.counts["prefix"].tolist() == [4, 2, 1, 1]
     out.loss.backward()
     has_grad = draft.grad.abs().sum(-1) > 0  # [1,S,K]
     assert torch.equal(has_grad, PREFIX)
@@ -253,18 +287,22 @@ def test_distance_weight_is_asymmetric():
     assert distance_weight(t, p).tolist() == [5.0, 3.0, 1.0, 3.0]
 
 
-def test_class_balance_weights_count_masked_entries_per_slot():
-    classes = torch.zeros(1, 25, 2, dtype=torch.long)
-    classes[0, 22:, 0] = 1  # slot 0: 22 of class 0 (2 of them masked out), 3 of class 1
-    mask = torch.ones(1, 25, 2, dtype=torch.bool)
-    mask[0, :2, 0] = False
-    mask[0, 5:, 1] = False  # slot 1: 5 of class 0
-    w = class_balance_weights(classes, mask, 4, budget=10)
-    assert set(w[0, 2:22, 0].tolist()) == {0.5}  # 10 / 20
-    assert set(w[0, 22:, 0].tolist()) == {1.0}  # min(1, 10 / 3)
-    assert set(w[0, :5, 1].tolist()) == {1.0}  # counted per slot: min(1, 10 / 5)
-    assert (w[~mask] == 0).all()
-    assert torch.equal(class_balance_weights(classes, mask, 4, budget=0), mask.float())
+def test_budget_weights_per_slot_and_class():
+    counts = torch.tensor([[20.0, 3.0, 0.0, 0.0], [5.0, 0.0, 0.0, 0.0]])  # [K=2, C=4]
+    w = budget_weights(counts, budget=10)
+    assert w.tolist() == [[0.5, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0]]  # min(1, 10 / count)
+    assert (budget_weights(counts, budget=0) == 1).all()
+
+
+def test_rank_loss_reweights_classes_over_budget():
+    zeros = torch.zeros(1, 25, 1, 4)  # uniform rank logits: CE = ln 4 for any soft target, pred = 0
+    classes = torch.zeros(1, 25, 1, dtype=torch.long)
+    classes[0, 20:, 0] = 2  # 20 entries of class 0 (in the chain: pred 0 is right), 5 of class 2
+    valid = torch.ones(1, 25, 1, dtype=torch.bool)
+    loss, _ = rank_loss(zeros, classes, valid, budget=10)
+    # class 0: weight 10/20, distance weight 1; class 2: weight 1, distance weight 5
+    expected = (20 * 0.5 * 1 + 5 * 1.0 * 5) * math.log(4) / (20 * 0.5 + 5 * 1.0)
+    assert loss.item() == pytest.approx(expected)
 
 
 def test_rank_chain_mask_stops_after_first_wrong_prediction():
@@ -319,15 +357,7 @@ def test_metrics_sums_and_counts_on_constructed_case():
     assert m["accept_hist_sum"].tolist() == [1.0, 2.0, 0.0, 0.0, 1.0]
     assert m["accept_hist_count"].item() == 4.0
     assert not any(k.startswith("rank") for k in m)
-    ratios = ratio_metrics(m)
-    assert ratios["accept_len"].item() == pytest.approx(1.5)
-    torch.testing.assert_close(ratios["top1"], torch.tensor([0.75, 0.75, 1.0, 1.0]))
     assert all(not t.requires_grad for t in m.values())
-
-
-def test_ratio_metrics_zero_count():
-    r = ratio_metrics({"a_sum": torch.tensor([2.0, 0.0]), "a_count": torch.tensor([4.0, 0.0])})
-    assert r["a"].tolist() == [0.5, 0.0]
 
 
 def test_specblock_loss_with_rank_head_and_gate():

@@ -20,7 +20,7 @@ from specblock.train import run as run_mod
 from specblock.train.config import DrafterConfig, TrainConfig, ValidationConfig, register_configs
 from specblock.train.export import load_drafter
 from specblock.train.losses import CurriculumConfig, LossConfig
-from specblock.train.strategies import StrategyConfig
+from specblock.train.distill import StrategyConfig
 from specblock.train.trainer import TrainerConfig
 from specblock.train.validation import read_best, split_indices
 

@@ -23,15 +23,13 @@ from transformers import LlamaConfig
 from specblock.train.modeling import Eagle3Config, Eagle3Drafter
 from specblock.train.serving import ServingExportError, check_exportable, export_for_engines
 
+from tiny_models import llama_config
+
 V, H, N_LAYERS, VD = 48, 32, 8, 20
 
 
 def tiny_target_config(**kw) -> LlamaConfig:
-    args = dict(
-        vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=N_LAYERS, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5,
-    )  # fmt: skip
-    return LlamaConfig(**(args | kw))
+    return llama_config(V, **({"hidden": H, "layers": N_LAYERS, "rms_norm_eps": 1e-5} | kw))
 
 
 def make_drafter(target_config: LlamaConfig, seed: int = 0) -> tuple[Eagle3Drafter, torch.Tensor]:

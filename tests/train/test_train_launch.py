@@ -1,6 +1,7 @@
 """`accelerate launch -m specblock.train` for real: 2 CPU processes, DDP and DeepSpeed ZeRO-2 and ZeRO-3
 (gloo), on a tiny random target saved to disk; each run trains, checkpoints and exports a drafter that
-loads."""
+loads. Accumulation 2: the trainer's count pass (the later micro-batch's loss counts, without gradients)
+runs through the DDP / DeepSpeed wrappers of the real drafters."""
 
 import json
 import os
@@ -13,7 +14,7 @@ import pytest
 
 from specblock.train.export import load_drafter
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # real launches: 12-25 s each
 REPO = Path(__file__).resolve().parents[2]
 ACCELERATE = Path(sys.executable).with_name("accelerate")
 
@@ -66,6 +67,8 @@ def test_accelerate_launch_trains_on_two_cpu_processes(zero, tiny_chat, tmp_path
         "drafter.draft_vocab_size=24",
         "drafter.rank_hidden=16",
         "trainer.max_steps=4",
+        "trainer.micro_batch_size=2",
+        "trainer.grad_accum=2",
         "trainer.save_every=2",
         "trainer.log_every=1",
     ]

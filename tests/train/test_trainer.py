@@ -1,7 +1,6 @@
 """The training loop on a tiny strategy, one CPU process: schedules, accumulation equivalence,
 bit-exact resume, atomic checkpoints, trackers."""
 
-import importlib.util
 import logging
 import sys
 import time
@@ -18,12 +17,7 @@ from specblock.train.tracking import NullTracker, is_main, log0, make_tracker, r
 from specblock.train.checkpoint import EpochSampler
 from specblock.train.trainer import TrainerConfig, fit
 
-# The tiny strategy lives next to the distributed worker, which needs it too (no tests package).
-_spec = importlib.util.spec_from_file_location(
-    "specblock_tests_dist_worker", Path(__file__).with_name("dist_worker.py")
-)
-tiny = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(tiny)
+import tiny_strategy as tiny  # tests/support
 
 
 def params(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -226,16 +220,6 @@ def test_epochs_sets_the_step_count(tmp_path):
     cfg = tiny.tiny_config(tmp_path, max_steps=None, epochs=1.5, save_every=0)
     metrics = fit(tiny.TinyStrategy(), tiny.make_dataset(), tiny.collate, cfg)
     assert metrics["step"] == 9 and metrics["train/epoch"] == 1.5
-
-
-def test_export_state_dict_has_unwrapped_keys():
-    from accelerate import Accelerator
-
-    accelerator = Accelerator()
-    module = tiny.TinyStrategy().module
-    prepared = accelerator.prepare(module)
-    state = ckpt.export_state_dict(accelerator, prepared)
-    assert set(state) == set(module.state_dict())
 
 
 def test_strategy_metric_names_may_not_shadow_trainer_metrics(tmp_path):

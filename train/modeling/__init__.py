@@ -16,7 +16,7 @@ from transformers import PretrainedConfig
 from .common import DraftCache, DrafterOutput, shift_left
 from .eagle3 import Eagle3Config, Eagle3Drafter
 from .specblock import SpecBlockConfig, SpecBlockDrafter, block_offsets
-from .vocab import build_vocab_map, count_tokens, full_vocab_map, target_to_draft_logits
+from .vocab import build_vocab_map, count_tokens
 
 DrafterBuilder = Callable[[object, PretrainedConfig, Tensor, Tensor, "Tensor | None"], nn.Module]
 
@@ -62,7 +62,5 @@ __all__ = [
     "build_drafter",
     "build_vocab_map",
     "count_tokens",
-    "full_vocab_map",
     "shift_left",
-    "target_to_draft_logits",
 ]

@@ -17,18 +17,13 @@ def build_vocab_map(token_counts: Tensor, draft_vocab_size: int | None) -> tuple
     to the lower id), sorted ascending. draft_vocab_size None (or V) = the full vocabulary."""
     V = token_counts.shape[0]
     if draft_vocab_size is None or draft_vocab_size == V:
-        return full_vocab_map(V)
+        return torch.arange(V), torch.ones(V, dtype=torch.bool)  # the identity map
     if not 0 < draft_vocab_size < V:
         raise ValueError(f"draft_vocab_size must be in [1, {V}] or None, got {draft_vocab_size}")
     # A stable descending sort keeps ids in increasing order among equal counts.
     order = torch.sort(token_counts.cpu().long(), descending=True, stable=True).indices
     d2t = order[:draft_vocab_size].sort().values
     return d2t, t2d_from_d2t(d2t, V)
-
-
-def full_vocab_map(vocab_size: int) -> tuple[Tensor, Tensor]:
-    """The identity map: d2t = arange(V), t2d all True."""
-    return torch.arange(vocab_size), torch.ones(vocab_size, dtype=torch.bool)
 
 
 def t2d_from_d2t(d2t: Tensor, vocab_size: int) -> Tensor:
@@ -54,16 +49,6 @@ def count_tokens(input_ids: Tensor, vocab_size: int, mask: Tensor | None = None)
     return torch.bincount(ids.long(), minlength=vocab_size)[:vocab_size]
 
 
-def target_to_draft_logits(logits: Tensor, d2t: Tensor) -> Tensor:
-    """[..., V] target-vocabulary tensor -> [..., Vd] columns of the draft vocabulary."""
-    return logits.index_select(-1, d2t.to(logits.device))
-
-
-def draft_to_target_ids(draft_ids: Tensor, d2t: Tensor) -> Tensor:
-    """Draft ids [...] -> target ids [...]."""
-    return d2t.to(draft_ids.device)[draft_ids]
-
-
 def target_to_draft_ids(target_ids: Tensor, d2t: Tensor) -> Tensor:
     """Target ids [...] -> draft ids [...], -1 where the token is not in the draft vocabulary."""
     d2t = d2t.to(target_ids.device)
@@ -80,7 +65,7 @@ def resolve_vocab_map(d2t: Tensor | None, draft_vocab_size: int | None, vocab_si
                 f"draft_vocab_size={draft_vocab_size} needs a vocab map: pass d2t from "
                 "build_vocab_map(token_counts, draft_vocab_size)"
             )
-        return full_vocab_map(vocab_size)[0]
+        return torch.arange(vocab_size)
     d2t = d2t.detach().long().cpu()
     check_vocab_map(d2t, vocab_size)
     if draft_vocab_size is not None and d2t.numel() != draft_vocab_size:

@@ -1,6 +1,7 @@
-"""A tiny drafter strategy for trainer tests, and the script `test_distributed.py` launches.
+"""A tiny drafter strategy for trainer tests (`import tiny_strategy`), and the script
+`test_distributed.py` launches:
 
-`accelerate launch --config_file configs/accelerate/<cfg>.yaml tests/train/dist_worker.py OUT TYPE PRECISION`
+`accelerate launch --config_file configs/accelerate/<cfg>.yaml tests/support/tiny_strategy.py OUT TYPE PRECISION`
 runs, on every rank: an uninterrupted run, then a run that crashes after a checkpoint and resumes from
 it; each rank writes `OUT/result_rank<r>.json` with what the test asserts.
 """
@@ -30,8 +31,9 @@ class Crash(RuntimeError):
 class TinyStrategy:
     """An MLP drafter distilled (forward KL) from a frozen linear teacher on random features.
 
-    Loss = SUM over masked positions (the trainer normalises). Dropout draws from the global RNG, so
-    resume tests also check that RNG state is restored.
+    Loss = mean KL over the masked positions, as the sum `kl` over them with their count `kl` (the
+    trainer normalises over the whole step). Dropout draws from the global RNG, so resume tests also
+    check that RNG state is restored.
     """
 
     def __init__(self, seed: int = 0, dropout: float = 0.0, crash_at_step: int | None = None):
@@ -40,11 +42,14 @@ class TinyStrategy:
         torch.manual_seed(seed)  # the drafter's initialisation
         self.module = nn.Sequential(nn.Linear(DIM, 32), nn.Dropout(dropout), nn.ReLU(), nn.Linear(32, VOCAB))
         self.crash_at_step = crash_at_step
-        self.losses: list[float] = []  # per micro-batch loss sums, in order
+        self.losses: list[float] = []  # per micro-batch loss sums (numerators), in order
         self.calls = 0  # extra state, checkpointed through state_dict
 
-    def num_loss_items(self, batch):
-        return batch["mask"].sum()
+    def loss_counts(self, batch, step, epoch):
+        return {"kl": batch["mask"].sum()}  # known from the batch: no forward
+
+    def loss(self, sums, counts):
+        return sums["kl"] / counts["kl"].clamp_min(1)
 
     def num_tokens(self, batch):
         return batch["mask"].numel()
@@ -63,7 +68,7 @@ class TinyStrategy:
         self.calls += 1
         self.seen = {"teacher": type(self.teacher).__name__, "input_dtype": str(batch["x"].dtype)}
         metrics = {"acc/sum": hits, "acc/count": mask.sum(), "scalar/data_epoch": torch.tensor(epoch)}
-        return StepOutput(loss, metrics)
+        return StepOutput({"kl": loss}, self.loss_counts(batch, step, epoch), metrics)
 
     def state_dict(self):
         return {"calls": self.calls}

@@ -1,8 +1,12 @@
-"""Drafter strategies: how one micro-batch becomes a loss, per drafter type (trainer.fit has no branches).
+"""The distillation strategies (`strategy.DrafterStrategy`): how one micro-batch becomes loss terms, per
+drafter type (trainer.fit has no branches).
 
-Both strategies distill the frozen target into the drafter with `losses.specblock_loss`. The target's
+Both strategies distill the frozen target into the drafter with `losses.specblock_loss`, whose terms
+(per-slot KL and Rank Head sums with their entry counts) they return for the trainer to normalise over
+the whole step (`strategy.py`: the accumulation contract). The target's
 features and logits come either online (a forward of the frozen target inside the step) or offline
-(cached features + final hidden state; logits recomputed through a frozen copy of the LM head).
+(cached features + final hidden state; logits recomputed through a frozen copy of the LM head, with
+`data.target.TargetHead`, the same function that evaluation and the feature cache use).
 
 SpecBlock adds the multi-block training-time test (docs/specblock.md 1.5): from `rank_start_step` on, after
 each block a source slot m ~ U{0..K-1} is drawn and the next block starts from slot m's hidden state,
@@ -18,8 +22,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from specblock.data.target import TargetHead, concat_features
+
 from .batching import shifted_tokens, teacher_and_valid
-from .losses import LossConfig, at_least_fp32, specblock_loss
+from .losses import LossConfig, at_least_fp32, normalised_loss, specblock_loss
 from .modeling import DrafterOutput, block_offsets
 from .strategy import COUNT_SUFFIX, SCALAR_PREFIX, SUM_SUFFIX, StepOutput
 
@@ -50,7 +56,7 @@ class DistillStrategy:
     """Distillation of the target into `module`; subclasses say how many blocks a step drafts.
 
     teacher: the frozen target (online features) or None (offline: batches carry `features` and
-    `last_hidden`, and `head_weight` [V, H] is the target's LM head)."""
+    `last_hidden`, and `head` is the target's LM head, e.g. `TargetHead.of(target, copy=True)`)."""
 
     def __init__(
         self,
@@ -59,21 +65,25 @@ class DistillStrategy:
         feature_layers: list[int],
         loss: LossConfig,
         cfg: StrategyConfig,
-        head_weight: Tensor | None = None,
+        head: TargetHead | None = None,
     ):
-        if teacher is None and head_weight is None:
-            raise ValueError("offline features need the target's LM head weight (head_weight)")
+        if teacher is None and head is None:
+            raise ValueError("offline features need the target's LM head (head)")
         self.module, self.teacher, self.feature_layers = module, teacher, list(feature_layers)
-        self.loss_cfg, self.cfg, self.head_weight = loss, cfg, head_weight
+        self.loss_cfg, self.cfg, self.head = loss, cfg, head
         self.slots = module.block_size
         self.d2t, self.t2d = module.d2t, module.t2d
 
     # ---------------------------------------------------------------- trainer interface
-    def num_loss_items(self, batch: dict[str, Any]) -> int:
-        """Supervised positions (assistant tokens the first slot predicts): the loss is a mean over
-        them times their count, so accumulation weighs micro-batches by their supervised positions."""
-        mask = batch["loss_mask"][:, 2:].bool() & batch["attention_mask"][:, 2:].bool()
-        return int(mask.sum())
+    def loss_counts(self, batch: dict[str, Any], step: int, epoch: int) -> dict[str, Tensor]:
+        """The counts need the forward: the valid-prefix and Rank Head entries depend on the drafter's
+        top-1 and rank predictions (and `valid` on the target's argmax)."""
+        with torch.no_grad():
+            return self.forward_loss(batch, step, epoch).counts
+
+    def loss(self, sums: dict[str, Tensor], counts: dict[str, Tensor]) -> Tensor:
+        """Every block's per-slot means (and Rank Head loss) over the entries `counts` holds, added."""
+        return normalised_loss(sums, counts, self.loss_cfg.rank_budget)
 
     def num_tokens(self, batch: dict[str, Any]) -> int:
         return int(batch["attention_mask"].sum())
@@ -89,7 +99,7 @@ class DistillStrategy:
         tokens, attention = shifted_tokens(batch["input_ids"]), batch["attention_mask"][:, 1:]
         outputs, offsets = self.draft(features[:, :-1], tokens, attention, step)
         law, valid = teacher_and_valid(batch, logits, self.d2t, self.t2d, self.slots + max(offsets))
-        total, metrics = 0.0, {}
+        sums, counts, metrics = {}, {}, {}
         for b, (out, off) in enumerate(zip(outputs, offsets)):
             res = specblock_loss(
                 out.logits,
@@ -100,14 +110,14 @@ class DistillStrategy:
                 step,
                 epoch,
             )
-            total = total + res.loss
+            sums.update({f"block{b}/{k}": v for k, v in res.terms.sums.items()})
+            counts.update({f"block{b}/{k}": v for k, v in res.terms.counts.items()})
             metrics.update(flat_metrics(res.metrics, prefix="" if b == 0 else f"block{b}/"))
             metrics[f"{SCALAR_PREFIX}loss_block{b}"] = res.loss.detach()
             if b == 0:
                 metrics[f"{SCALAR_PREFIX}prefix_alpha"] = torch.tensor(res.prefix_alpha)
                 metrics[f"{SCALAR_PREFIX}rank_loss"] = res.rank_loss
-        items = self.num_loss_items(batch)
-        return StepOutput(total * items, metrics)
+        return StepOutput(sums, counts, metrics)
 
     # ---------------------------------------------------------------- pieces
     @torch.no_grad()
@@ -116,16 +126,16 @@ class DistillStrategy:
         dtype = next(self.module.parameters()).dtype  # a bf16 target or cache may feed an fp32 drafter
         if "features" in batch:  # offline: logits recomputed through the frozen LM head
             # in the head's own dtype, as the online target computes them (bf16 matmuls are also ~4x faster)
-            head = self.head_weight.to(batch["last_hidden"].device)
-            return batch["features"].to(dtype), at_least_fp32(batch["last_hidden"].to(head.dtype) @ head.T)
+            if self.head.weight.device != batch["last_hidden"].device:
+                self.head = self.head.to(batch["last_hidden"].device)  # once, not every step
+            return batch["features"].to(dtype), self.head(batch["last_hidden"])
         out = self.teacher(
             input_ids=batch["input_ids"],
             attention_mask=batch["attention_mask"],
             output_hidden_states=True,
             use_cache=False,
-        )
-        features = torch.cat([out.hidden_states[i] for i in self.feature_layers], dim=-1)
-        return features.to(dtype), at_least_fp32(out.logits)
+        )  # the model's own logits: its head, soft-capped where the model does so
+        return concat_features(out.hidden_states, self.feature_layers).to(dtype), at_least_fp32(out.logits)
 
     def draft(
         self, features: Tensor, tokens: Tensor, attention: Tensor, step: int

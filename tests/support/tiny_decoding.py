@@ -1,0 +1,56 @@
+"""Tiny targets and drafters for the decoding-loop tests (`import tiny_decoding`; tests/evaluate): a
+peaked random Llama as a FeatureTarget, untrained SpecBlock and EAGLE-3 drafters on it, and the target's
+exact law of the next few tokens by enumeration."""
+
+from __future__ import annotations
+
+import torch
+
+from specblock.data.target import FeatureTarget
+from specblock.evaluate.laws import next_token_law
+from specblock.train.modeling import build_drafter
+from specblock.train.modeling.eagle3 import Eagle3Config
+from specblock.train.modeling.specblock import SpecBlockConfig
+
+from tiny_models import tiny_llama
+
+VOCAB, HORIZON = 24, 3  # the statistical tests' vocabulary and number of new tokens
+PROMPT = [1, 5, 9, 3]
+
+
+def tiny_target(vocab: int, sharpen: float, seed: int = 0) -> FeatureTarget:
+    """A random 4-layer Llama whose head is scaled by `sharpen`: a peaked target, a few likely
+    continuations, so few samples test its law."""
+    model = tiny_llama(vocab, seed=seed, max_position_embeddings=256, tie_word_embeddings=False)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(sharpen)
+    return FeatureTarget(model)
+
+
+def drafters(target: FeatureTarget, seed: int = 1) -> dict[str, torch.nn.Module]:
+    """Untrained SpecBlock (K = 3) and EAGLE-3 (3 steps) drafters on the target, heads scaled by 0.7."""
+    torch.manual_seed(seed)
+    m = target.model
+    emb, head = m.get_input_embeddings().weight, m.get_output_embeddings().weight
+    sb = SpecBlockConfig(block_size=3, num_layers=2, rank_hidden=16)
+    return {
+        "specblock": build_drafter("specblock", sb, m.config, emb, head * 0.7).eval(),
+        "eagle3": build_drafter("eagle3", Eagle3Config(ttt_length=3), m.config, emb, head * 0.7).eval(),
+    }
+
+
+def exact_law(
+    target: FeatureTarget, temperature: float, top_p: float, prompt=PROMPT, horizon: int = HORIZON
+) -> dict[tuple, float]:
+    """The target's law of the first `horizon` new tokens after `prompt`, by enumeration."""
+    law = {(): 1.0}
+    for _ in range(horizon):
+        seqs = list(law)
+        ids = torch.tensor([prompt + list(s) for s in seqs])
+        with torch.no_grad():
+            logits = target.model(ids).logits[:, -1].float()
+        probs = next_token_law(logits, temperature, top_p).double()
+        law = {
+            s + (t,): law[s] * float(probs[i, t]) for i, s in enumerate(seqs) for t in range(probs.shape[1])
+        }
+    return law

@@ -1,0 +1,54 @@
+"""One function for the target's outputs: the teacher a strategy distills from is the same whether the
+target runs inside the step (online) or its features were cached by the data stage (offline), also
+for a target whose head soft-caps its logits (Gemma 2's final_logit_softcapping)."""
+
+import torch
+
+from specblock.data.target import FeatureTarget, TargetHead
+from specblock.train.config import DrafterConfig
+from specblock.train.distill import STRATEGIES, StrategyConfig
+from specblock.train.losses import LossConfig
+from specblock.train.modeling import build_drafter
+
+from tiny_models import TINY_SOFTCAP, tiny_softcapped
+
+VOCAB, LAYERS = 40, [2, 3, 4]
+
+
+def strategies(target):
+    """The EAGLE-3 strategy twice over one drafter: online (the target as teacher) and offline."""
+    d2t = torch.arange(0, VOCAB, 2)
+    cfg = DrafterConfig(name="eagle3", ttt_length=2, draft_vocab_size=len(d2t)).specific(len(LAYERS))
+    embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    module = build_drafter("eagle3", cfg, target.config, embed, head, d2t)
+    make = STRATEGIES["eagle3"]
+    online = make(module, target, LAYERS, LossConfig(), StrategyConfig())
+    offline = make(module, None, LAYERS, LossConfig(), StrategyConfig(), TargetHead.of(target, copy=True))
+    return online, offline
+
+
+def test_softcapped_target_gives_the_same_teacher_online_and_offline():
+    target = tiny_softcapped(VOCAB)
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+    cached = FeatureTarget(target, LAYERS)(
+        ids, batch["attention_mask"], with_logits=False
+    )  # what capture stores
+    online, offline = strategies(target)
+
+    features, logits = online.target_outputs(batch)
+    features_off, logits_off = offline.target_outputs(
+        {**batch, "features": cached.features, "last_hidden": cached.last_hidden}
+    )
+    torch.testing.assert_close(features_off, features, rtol=0, atol=0)
+    torch.testing.assert_close(logits_off, logits, rtol=1e-6, atol=1e-6)
+    # the cap is in force: the raw head's logits exceed it, and differ from the teacher's
+    raw = cached.last_hidden @ target.get_output_embeddings().weight.T
+    assert raw.abs().max() > TINY_SOFTCAP >= logits.abs().max()
+    assert not torch.allclose(raw, logits, atol=1e-3)
+    # and the loss both strategies train on is the same
+    out, out_off = (
+        online.forward_loss(batch, 0, 0),
+        offline.forward_loss({**batch, "features": cached.features, "last_hidden": cached.last_hidden}, 0, 0),
+    )
+    torch.testing.assert_close(offline.loss(out_off.sums, out_off.counts), online.loss(out.sums, out.counts))
