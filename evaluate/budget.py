@@ -4,7 +4,7 @@ A fixed budget (EAGLE-2 and SpecBlock ship 60-90 tokens, tuned for one GPU) is w
 a wide forward costs much more than a narrow one: on this 2-core CPU a 33-token float32 forward of
 SmolLM2 costs ~2.4x a one-token step, on an H200 it costs about the same as one. The model here:
 
-    tokens per second(B) = (1 + c * sum_{i <= B} a_i) / (fixed + forward(B + 1))
+    tokens per second(B) = (1 + c * sum_{i <= B} a_i) / (fixed + rounds * round + forward(B + 1))
 
 - a_i: the i-th best node's cumulative draft probability exp(score) (nodes sorted as `DraftTree.pruned`
   sorts them, so every prefix of the order is ancestor-closed). EAGLE-2's observation: a node's draft
@@ -16,9 +16,12 @@ SmolLM2 costs ~2.4x a one-token step, on an H200 it costs about the same as one.
   over-confident drafter gets smaller trees; clipped to [C_MIN, C_MAX].
 - forward(n): the target forward over n tokens after the committed cache, measured once per decoder on
   the first prompt's cache (FORWARD_GRID, median of `repeats`), interpolated linearly in between.
-- fixed: the iteration's cost outside the target forward (drafting the full tree, verification, the
-  loop's bookkeeping), the running mean of what the loop measured; it does not depend on B because the
-  tree is grown to `max_budget` nodes before the choice.
+- fixed: the iteration's cost outside the target forward and the tree's drafter rounds (verification,
+  the loop's bookkeeping, the drafter's advance), the running mean of what the loop measured.
+- The tree's depth: before each further drafter round (an EAGLE step, a SpecBlock block round) the
+  round is drafted only if children as likely as their parents (optimistic) could raise the best
+  rate with that round's cost (`round`, the running mean per round) added to `fixed`; the first round
+  comes with the root and costs nothing.
 
 The chosen B maximises the model over 1 <= B <= the nodes drafted.
 
@@ -102,6 +105,8 @@ class AutoBudget:
     iterations: int = 0
     chosen: list[int] = field(default_factory=list)  # B (or L) per iteration, for the report
     drafted: int = 0  # chain tokens drafted so far, and their drafter seconds
+    rounds: int = 0  # tree drafter rounds after the first (whose logits come with the root), their seconds
+    round_total_ms: float = 0.0
     draft_total_ms: float = 0.0
 
     @property
@@ -120,6 +125,23 @@ class AutoBudget:
         b, _ = choose_budget(confidences, self.curve, self.fixed_ms, self.c)
         self.chosen.append(b)
         return b
+
+    @property
+    def round_ms(self) -> float:
+        return self.round_total_ms / self.rounds if self.rounds else 0.0
+
+    def more_rounds(self, scores: list[float], frontier: list[float]) -> bool:
+        """Trees: before another drafter round expanding `frontier` (its nodes' scores; `scores`: every
+        node's so far): whether children as likely as their parents (optimistic: a_child <= a_parent) could
+        raise the best modelled rate once that round's drafting (`round_ms`) is paid."""
+        conf = sorted((math.exp(s) for s in scores), reverse=True)
+        now = choose_budget(conf, self.curve, self.fixed_ms, self.c)[1] if conf else 0.0
+        hoped = sorted(conf + [math.exp(s) for s in frontier], reverse=True)
+        return choose_budget(hoped, self.curve, self.fixed_ms + self.round_ms, self.c)[1] > now
+
+    def observe_rounds(self, rounds: int, seconds: float) -> None:
+        self.rounds += rounds
+        self.round_total_ms += seconds * 1e3
 
     @property
     def draft_ms(self) -> float:

@@ -440,10 +440,14 @@ class SpeculativeDecoder:
         where nothing reads them), node[k][i]). context: the prompt and the tokens generated so far."""
         cfg = self.cfg
         if cfg.mode == "tree":
-            tree = root.session.tree(root, cfg.tree)
-            if self.auto is not None:
-                tree = tree.pruned(self.auto.choose(tree.score[1:]))[0]
-                self._scores = tree.score[1:]
+            if self.auto is None:
+                return root.session.tree(root, cfg.tree), None, None, None
+            calls, seconds = self.drafter.cost.calls, self.drafter.cost.seconds
+            tree = root.session.tree(root, cfg.tree, self.auto.more_rounds)
+            self._variable_seconds = self.drafter.cost.seconds - seconds  # modelled per round
+            self.auto.observe_rounds(self.drafter.cost.calls - calls, self._variable_seconds)
+            tree = tree.pruned(self.auto.choose(tree.score[1:]))[0]
+            self._scores = tree.score[1:]
             return tree, None, None, None
         if cfg.mode == "lookup":
             draft = self.drafter.draft(context)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -38,6 +38,8 @@ from specblock.train.modeling.specblock import SpecBlockDrafter
 
 Prefix = tuple[int, ...]
 AUTO = "auto"  # TreeConfig.budget: chosen per iteration (evaluate/budget.py)
+# (scores of the tree's nodes so far, scores of the nodes the next round would expand) -> draft that round?
+MoreRounds = Callable[[list[float], list[float]], bool]
 
 
 @dataclass
@@ -192,8 +194,9 @@ class DrafterSession:
     def logits_after(self, root: Root, prefix: Prefix) -> Tensor:
         raise NotImplementedError
 
-    def tree(self, root: Root, cfg: TreeConfig) -> DraftTree:
-        """This drafter's dynamic draft tree at `root`."""
+    def tree(self, root: Root, cfg: TreeConfig, more: MoreRounds | None = None) -> DraftTree:
+        """This drafter's dynamic draft tree at `root`; `more(scores, frontier)`, when given, is asked
+        before every further drafter round (budget.py's auto depth)."""
         raise NotImplementedError
 
 
@@ -236,8 +239,8 @@ class SpecBlockSession(DrafterSession):
     def logits_after(self, root: Root, prefix: Prefix) -> Tensor:
         return root._state[prefix[: len(prefix) // self.K * self.K]][0][len(prefix) % self.K]
 
-    def tree(self, root: Root, cfg: TreeConfig) -> DraftTree:
-        return specblock_tree(root, cfg)
+    def tree(self, root: Root, cfg: TreeConfig, more: MoreRounds | None = None) -> DraftTree:
+        return specblock_tree(root, cfg, more)
 
 
 class Eagle3Session(DrafterSession):
@@ -274,8 +277,8 @@ class Eagle3Session(DrafterSession):
     def logits_after(self, root: Root, prefix: Prefix) -> Tensor:
         return root._state[prefix][0]
 
-    def tree(self, root: Root, cfg: TreeConfig) -> DraftTree:
-        return eagle_tree(root, cfg)
+    def tree(self, root: Root, cfg: TreeConfig, more: MoreRounds | None = None) -> DraftTree:
+        return eagle_tree(root, cfg, more)
 
 
 def _stack_caches(caches: list[DraftCache]) -> DraftCache:
@@ -376,7 +379,7 @@ def _draft_logprobs(logits: Tensor) -> Tensor:
     return torch.log_softmax(logits.float(), dim=-1)
 
 
-def specblock_tree(root: Root, cfg: TreeConfig) -> DraftTree:
+def specblock_tree(root: Root, cfg: TreeConfig, more: MoreRounds | None = None) -> DraftTree:
     """The SpecBlock dynamic tree (docs/specblock.md 1.3-1.4): each block lays a greedy chain with per-slot
     alternatives (top-k by the Rank Head's class); the best `beam` pending leaves (alternatives, greedy
     nodes of branching slots, the chain's end) start new blocks from their slot's hidden state, for
@@ -407,6 +410,8 @@ def specblock_tree(root: Root, cfg: TreeConfig) -> DraftTree:
         if step == cfg.steps - 1 or not pending:
             break
         pending = sorted(pending, key=lambda p: (-p[0], p[1]))[: cfg.beam]
+        if more is not None and not more(tree.score[1:], [p[0] for p in pending]):
+            break
         hid = torch.stack([blocks[b][2][k] for _, _, b, k in pending])  # [n,H]
         token = torch.tensor([tree.tokens[n] for _, n, _, _ in pending], device=session.device)
         offsets = torch.tensor([blocks[b][5] + k + 1 for _, _, b, k in pending], device=session.device)
@@ -433,7 +438,7 @@ def _leaf_caches(sources: list[tuple[DraftCache, int, int]]) -> DraftCache:
     return _stack_caches(caches)
 
 
-def eagle_tree(root: Root, cfg: TreeConfig) -> DraftTree:
+def eagle_tree(root: Root, cfg: TreeConfig, more: MoreRounds | None = None) -> DraftTree:
     """EAGLE-2's dynamic tree: the root's top-k children, then `steps - 1` rounds that expand the `beam`
     best nodes of the newest layer by cumulative log-prob with their top-k children each (one batched
     drafter step per round); pruned to `budget` nodes."""
@@ -441,6 +446,8 @@ def eagle_tree(root: Root, cfg: TreeConfig) -> DraftTree:
     tree, frontier = DraftTree(), [()]
     node_of: dict[Prefix, int] = {(): 0}
     for step in range(cfg.steps):
+        if step and more is not None and not more(tree.score[1:], [tree.score[node_of[y]] for y in frontier]):
+            break
         logits = root.logits(frontier)  # one batched call for the frontier (the root's is precomputed)
         layer = []
         for y, lg in zip(frontier, logits):

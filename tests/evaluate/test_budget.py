@@ -70,3 +70,13 @@ def test_draft_length_auto_config():
             EvalConfig(draft_length="auto", methods=methods)
     with pytest.raises(ValueError, match="draft_length must be"):
         EvalConfig(draft_length="long")
+
+
+def test_more_tree_rounds_only_while_they_can_pay():
+    auto = AutoBudget(curve=ForwardCurve([1, 64], [50.0, 50.0]))  # width is free
+    scores, frontier = [math.log(0.9), math.log(0.5)], [math.log(0.5), math.log(0.45)]
+    assert auto.more_rounds(scores, frontier)  # the first round is free until one is measured
+    auto.observe_rounds(1, 0.010)  # 10 ms a round: gaining up to ~0.95 tokens pays for it
+    assert auto.round_ms == pytest.approx(10.0) and auto.more_rounds(scores, frontier)
+    auto.observe_rounds(1, 1.990)  # 1 s a round: it cannot
+    assert not auto.more_rounds(scores, frontier)

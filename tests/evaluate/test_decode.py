@@ -410,6 +410,25 @@ def test_auto_draft_length_keeps_greedy_equality(greedy_setup, drafter, ms_per_t
     assert dec.auto.chosen and set(dec.auto.chosen) == {length}
 
 
+@pytest.mark.parametrize("drafter, depth", [("specblock", 3), ("eagle3", 1)])
+def test_auto_tree_stops_drafting_rounds_that_cannot_pay(greedy_setup, drafter, depth, monkeypatch):
+    """With drafter rounds known to cost a second each, budget=auto drafts the first round only (the
+    root's own: EAGLE-3's first step, SpecBlock's first block of 3 slots) and stays exact."""
+    target, ds = greedy_setup
+    frozen_auto(monkeypatch, ms_per_token=0.0)
+    tree = TreeConfig(budget="auto", max_budget=12, steps=3, beam=4, topk=4)
+    dec = SpeculativeDecoder(
+        target, ds[drafter], DecodeConfig("tree", temperature=0.0, max_new_tokens=20, tree=tree)
+    )
+    dec.auto.rounds, dec.auto.round_total_ms = 1, 1000.0
+    ar = DecodeConfig(mode="autoregressive", temperature=0.0, max_new_tokens=20)
+    for prompt in (PROMPT, [7, 2]):
+        out = dec.generate(prompt)
+        assert out.tokens == SpeculativeDecoder(target, None, ar).generate(prompt).tokens
+        assert all(it.draft_len <= depth for it in out.iterations)
+        assert all(it.drafter_calls == 1 for it in out.iterations[:-1])  # the advance only
+
+
 def test_auto_draft_length_is_refused_where_the_length_is_a_horizon():
     for mode, verifier, k in (("iid", "spectr", 2), ("chain", "greedy_block", 1), ("tree", "token", 1)):
         with pytest.raises(ValueError, match="draft_length=auto"):
