@@ -26,7 +26,7 @@ from specblock.data.manifest import (
 )
 from specblock.data.target import FeatureTarget
 
-from tiny_models import tiny_llama
+from tiny_models import Interrupting, tiny_llama
 
 VOCAB, HIDDEN, LAYERS = 100, 32, 4
 
@@ -109,22 +109,6 @@ def test_max_gb_refuses_before_writing_and_max_rows_caps(tmp_path, target, token
     capped = CaptureConfig(dtype="float16", max_gb=cfg.max_gb, max_rows=3)
     out = capture_features(target, rows, tmp_path / "f", capped, tokenizer=tokenizer)
     assert read_manifest(out).num_samples == 3
-
-
-class Interrupting:
-    """Wraps a target and raises KeyboardInterrupt on the `stop_at`-th forward (like a Ctrl-C mid-capture)."""
-
-    def __init__(self, target: FeatureTarget, stop_at: int | None = None):
-        self.target, self.stop_at, self.calls = target, stop_at, 0
-
-    def __getattr__(self, name):
-        return getattr(self.target, name)
-
-    def __call__(self, *args, **kwargs):
-        self.calls += 1
-        if self.calls == self.stop_at:
-            raise KeyboardInterrupt
-        return self.target(*args, **kwargs)
 
 
 def test_ctrl_c_leaves_whole_shards_and_a_rerun_resumes(tmp_path, target, tokenizer):

@@ -14,6 +14,8 @@ import torch
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
+from tiny_models import save_chat_data
+
 from specblock.data.capture import load_feature_rows
 from specblock.data.config import register_configs
 from specblock.data.logs import ALL_RANKS_ENV
@@ -45,20 +47,7 @@ def launch(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
 
 @pytest.fixture()
 def overrides(tiny_chat, tmp_path):
-    model, tok = tiny_chat
-    model.save_pretrained(tmp_path / "target")
-    tok.save_pretrained(tmp_path / "target")
-    rows = [
-        {
-            "id": f"r{i}",
-            "conversations": [
-                {"from": "human", "value": "what is the cat " * (1 + i % 4)},
-                {"from": "gpt", "value": "the cat sat"},
-            ],
-        }
-        for i in range(11)
-    ]
-    (tmp_path / "corpus.json").write_text(json.dumps(rows))
+    save_chat_data(tiny_chat, tmp_path, ["what is the cat " * (1 + i % 4) for i in range(11)], "the cat sat")
     return [
         "target=tiny_random",
         f"data.target.name_or_path={tmp_path / 'target'}",

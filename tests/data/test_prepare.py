@@ -1,12 +1,13 @@
 """The data stage end to end on a tiny random target saved to disk: corpus -> regenerated answers ->
 token shards + manifest -> offline features; re-running skips, a changed recipe is refused."""
 
-import json
 import logging
 
 import pytest
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
+
+from tiny_models import save_chat_data
 
 from specblock.data import prepare as prep
 from specblock.data.config import FeaturesConfig, PrepareConfig, register_configs
@@ -19,21 +20,10 @@ from specblock.data.target import TargetConfig
 
 @pytest.fixture()
 def setup(tiny_chat, tmp_path):
-    model, tok = tiny_chat
-    model.save_pretrained(tmp_path / "target")
-    tok.save_pretrained(tmp_path / "target")
-    rows = [
-        {
-            "id": f"r{i}",
-            "conversations": [
-                {"from": "human", "value": "what is the cat " * (1 + i)},
-                {"from": "gpt", "value": "the cat sat"},
-            ],
-        }
-        for i in range(5)
-    ]
-    rows.append({"id": "bad", "conversations": [{"from": "human", "value": 3}]})
-    (tmp_path / "corpus.json").write_text(json.dumps(rows))
+    bad = {"id": "bad", "conversations": [{"from": "human", "value": 3}]}
+    save_chat_data(
+        tiny_chat, tmp_path, ["what is the cat " * (1 + i) for i in range(5)], "the cat sat", (bad,)
+    )
 
     def config(**kw):
         base = dict(

@@ -8,6 +8,8 @@ import json
 import pytest
 import torch
 
+from tiny_models import Interrupting
+
 from specblock.data import regenerate as regen
 from specblock.data.capture import CaptureConfig, capture_features
 from specblock.data.errors import BadInputError
@@ -89,22 +91,6 @@ def test_ranks_resume_a_one_process_file_and_one_process_resumes_ranks(tiny_chat
     assert sorted(lines(back)) == sorted(lines(one)) and part_paths(back) == []
 
 
-class Counting:
-    """A FeatureTarget that counts its forwards and raises KeyboardInterrupt at the `stop_at`-th."""
-
-    def __init__(self, target: FeatureTarget, stop_at: int | None = None):
-        self.target, self.stop_at, self.calls = target, stop_at, 0
-
-    def __getattr__(self, name):
-        return getattr(self.target, name)
-
-    def __call__(self, *args, **kwargs):
-        self.calls += 1
-        if self.calls == self.stop_at:
-            raise KeyboardInterrupt
-        return self.target(*args, **kwargs)
-
-
 def test_ranks_capture_their_shards_resume_and_rank0_writes_one_manifest(tiny_chat, tmp_path):
     model, tok = tiny_chat
     target = FeatureTarget(model, target_id="tiny")
@@ -120,12 +106,12 @@ def test_ranks_capture_their_shards_resume_and_rank0_writes_one_manifest(tiny_ch
     with pytest.raises(BadInputError, match="features-00001.safetensors: this shard is missing"):
         capture_features(target, rows, out, cfg, tokenizer=tok, world=World(0, 2))  # rank 1 never ran
     with pytest.raises(KeyboardInterrupt):
-        capture_features(Counting(target, stop_at=2), rows, out, cfg, tokenizer=tok, world=World(1, 2))
+        capture_features(Interrupting(target, stop_at=2), rows, out, cfg, tokenizer=tok, world=World(1, 2))
     assert sorted(p.name for p in out.iterdir()) == [f"features-0000{s}.safetensors" for s in (0, 1, 2)]
-    resumed = Counting(target)
+    resumed = Interrupting(target)
     capture_features(resumed, rows, out, cfg, tokenizer=tok, world=World(1, 2))
     assert resumed.calls == 1 and not (out / "manifest.json").exists()  # shard 3 only; rank 0 writes it
-    rank0 = Counting(target)
+    rank0 = Interrupting(target)
     capture_features(rank0, rows, out, cfg, tokenizer=tok, world=World(0, 2))
     assert rank0.calls == 0  # its shards 0 and 2 were written before rank 1's turn came
     assert read_manifest(out).shards == read_manifest(single).shards  # every shard, in order, same bytes

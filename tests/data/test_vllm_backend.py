@@ -8,6 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from tiny_models import save_chat_data
+
 from specblock.data import prepare as prep
 from specblock.data import vllm_backend
 from specblock.data.config import PrepareConfig
@@ -48,21 +50,9 @@ class FakeVllm(types.ModuleType):
 @pytest.fixture()
 def on_disk(tiny_chat, tmp_path):
     """(target folder, tokenizer, corpus file) for the data stage."""
-    model, tok = tiny_chat
-    model.save_pretrained(tmp_path / "target")
-    tok.save_pretrained(tmp_path / "target")
-    rows = [
-        {
-            "id": f"r{i}",
-            "conversations": [
-                {"from": "human", "value": "what is the dog " * (1 + i)},
-                {"from": "gpt", "value": "one two"},  # replaced by the engine's answer
-            ],
-        }
-        for i in range(3)
-    ]
-    (tmp_path / "corpus.json").write_text(json.dumps(rows))
-    return tmp_path / "target", tok, tmp_path / "corpus.json"
+    questions = ["what is the dog " * (1 + i) for i in range(3)]
+    target, corpus = save_chat_data(tiny_chat, tmp_path, questions, "one two")  # answers: the engine's
+    return target, tiny_chat[1], corpus
 
 
 def config(on_disk, out, **regen) -> PrepareConfig:

@@ -127,3 +127,36 @@ def distill_strategy(name: str, loss=None, *, vocab_size: int = 48, draft_vocab:
             p.add_(0.05 * torch.randn_like(p))
     loss = loss if loss is not None else LossConfig(curriculum=CurriculumConfig(0, 10), rank_budget=2)
     return STRATEGIES[name](module, target, [2, 3, 4], loss, StrategyConfig(num_ttt_blocks=2, seed=1))
+
+
+def save_chat_data(tiny_chat, root, questions: list[str], answer: str, extra_rows: tuple = ()):
+    """The tiny chat target saved to root/target and a ShareGPT corpus at root/corpus.json with one
+    exchange per question (ids r0, r1, ...), then `extra_rows` as given. Returns (target dir, corpus)."""
+    import json
+
+    model, tok = tiny_chat
+    model.save_pretrained(root / "target")
+    tok.save_pretrained(root / "target")
+    rows = [
+        {"id": f"r{i}", "conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": answer}]}
+        for i, q in enumerate(questions)
+    ]
+    (root / "corpus.json").write_text(json.dumps([*rows, *extra_rows]))
+    return root / "target", root / "corpus.json"
+
+
+class Interrupting:
+    """Wraps a FeatureTarget, counts its forwards (`calls`) and raises KeyboardInterrupt on the
+    `stop_at`-th (like a Ctrl-C or a killed rank mid-capture)."""
+
+    def __init__(self, target, stop_at: int | None = None):
+        self.target, self.stop_at, self.calls = target, stop_at, 0
+
+    def __getattr__(self, name):
+        return getattr(self.target, name)
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls == self.stop_at:
+            raise KeyboardInterrupt
+        return self.target(*args, **kwargs)
