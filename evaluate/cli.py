@@ -1,4 +1,5 @@
-"""`specblock <command> ...`: one entry point for the project's jobs."""
+"""`specblock <command> ...`: one entry point for the project's jobs (benchmarks and other tools are
+scripts: `python scripts/<tool>.py`)."""
 
 from __future__ import annotations
 
@@ -10,17 +11,8 @@ from specblock.data.logs import setup_logging
 COMMANDS = {
     "run": ("specblock.evaluate.pipeline", "the main job: data, training, export, evaluation (tables)"),
     "eval-report": (
-        "specblock.evaluate.sweep_report",
+        "specblock.evaluate.reporting.sweep",
         "pool an evaluation sweep: table and plots vs K, L, temperature",
-    ),
-    "bench-verify": ("specblock.evaluate.bench_verify", "time every verifier (Markdown table)"),
-    "bench-decode": (
-        "specblock.evaluate.bench_decode",
-        "where decoding time goes per method; target forward vs tokens fed",
-    ),
-    "exact-decode": (
-        "specblock.evaluate.exact_decode",
-        "exact expected target calls per verifier on table models",
     ),
 }
 

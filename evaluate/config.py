@@ -12,10 +12,10 @@ from specblock.data.evalsets import EVAL_SETS
 from specblock.data.question_sets import CustomSetConfig
 from specblock.data.target import TargetConfig
 
-from .adapt import AdaptConfig
-from .decode import DRAFTERLESS, MODES
-from .drafting import AUTO, TreeConfig
-from .lookup import LookupConfig
+from .decoding.adapt import AdaptConfig
+from .decoding.loop import DRAFTERLESS, MODES
+from .decoding.drafting import AUTO, TreeConfig
+from .decoding.lookup import LookupConfig
 from .verify import CROSS_ITERATION, VERIFIERS
 
 

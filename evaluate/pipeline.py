@@ -91,7 +91,7 @@ def train_stage(drafter: str, extra: list[str]) -> Path:
 
 def eval_stage(name: str, overrides: list[str]) -> list[dict]:
     from specblock.evaluate.config import EvalConfig, register_configs
-    from specblock.evaluate.report import read_jsonl
+    from specblock.evaluate.reporting.report import read_jsonl
     from specblock.evaluate.run import evaluate
 
     register_configs()

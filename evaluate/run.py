@@ -30,12 +30,19 @@ from specblock.data.io import atomic_path
 from specblock.data.target import FeatureTarget, ensure_embedded_target, eos_ids, load_target
 from specblock.train.export import load_drafter
 
-from .adapt import Adapter
+from .decoding.adapt import Adapter
 from .config import EvalConfig, parse_method
-from .decode import DRAFTERLESS, DecodeConfig, Generation, SpeculativeDecoder
-from .drafting import AUTO, TreeConfig
-from .metrics import AUTOREGRESSIVE, Accumulator
-from .report import category_report, cost_table, markdown_report, plot_acceptance_at, records, write_jsonl
+from .decoding.loop import DRAFTERLESS, DecodeConfig, Generation, SpeculativeDecoder
+from .decoding.drafting import AUTO, TreeConfig
+from .reporting.metrics import AUTOREGRESSIVE, Accumulator
+from .reporting.report import (
+    category_report,
+    cost_table,
+    markdown_report,
+    plot_acceptance_at,
+    records,
+    write_jsonl,
+)
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,365 @@
-"""Decoding time split and target forward timing; see specblock.evaluate.bench_decode for what it measures."""
+"""Where a decoding iteration's time goes, per method, and what a target forward costs per token fed.
 
-from specblock.evaluate.bench_decode import main
+    python scripts/bench_decode.py --methods autoregressive chain-token tree lookup --drafter DIR
+    python scripts/bench_decode.py --methods autoregressive lookup --dtype float32 bfloat16
+    python scripts/bench_decode.py --drafter untrained-eagle3     # costs only: a random EAGLE-3 drafter
+
+1. Decoding: every method (and every --dtype: target AND drafter in that precision) generates for the
+   same prompts, interleaved prompt by prompt, `--repeats` times. Tokens/s is end to end (prefill
+   included) as in the evaluation app, the median of the repeats, with its ratio to autoregressive
+   decoding in the same precision and to float32 autoregressive decoding. The decoding phase (prefill
+   excluded) splits into drafting, target forward, verification and the rest (overhead: bookkeeping,
+   cache gathers, sampling) = iteration wall time minus the three, per emitted token and per iteration
+   (one target call; for autoregressive decoding one step), summed over all repeats before dividing.
+2. The target forward alone against the number of tokens fed (1 ... 128, a causal chain) after a
+   `--context`-token KV cache, median of `--forward-repeats`, per dtype: a table and a plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+from specblock.data.evalsets import prompt_ids
+from specblock.data.logs import setup_logging
+from specblock.data.target import DEFAULT_TARGET_DIR, DTYPES, FeatureTarget, TargetConfig, load_target
+
+from specblock.evaluate.config import EvalConfig, _default_trees, parse_method
+from specblock.evaluate.decoding.loop import DecodeConfig, Generation, SpeculativeDecoder, TargetSession
+from specblock.evaluate.decoding.drafting import TreeConfig
+from specblock.evaluate.reporting.metrics import AUTOREGRESSIVE, ratio
+from specblock.evaluate.run import eos_ids, load_set
+
+log = logging.getLogger(__name__)
+
+UNTRAINED = "untrained-"  # --drafter untrained-<name>: a randomly initialised drafter (costs only)
+HF_GREEDY = "hf-greedy"  # the leanest baseline: the model's own forward with a cache, nothing else
+FORWARD_TOKENS = [1, 2, 4, 8, 16, 32, 64, 128]
+
+
+@dataclass
+class Split:
+    """Sums over the decoding phase of many generations (seconds), then divided by tokens or iterations."""
+
+    tokens: int = 0  # tokens emitted after the prefill
+    iterations: int = 0  # target calls after the prefill
+    draft: float = 0.0
+    target: float = 0.0
+    verify: float = 0.0
+    wall: float = 0.0
+    accepted: int = 0
+    generations: int = 0
+    differ: int = 0  # temperature 0: first-repeat generations whose tokens differ from autoregressive's
+    runs: list[tuple[int, float]] = field(default_factory=list)  # per repeat: (tokens, end-to-end seconds)
+
+    def add(self, g: Generation) -> None:
+        self.tokens += len(g.tokens) - 1
+        self.iterations += len(g.iterations) if g.iterations else len(g.tokens) - 1
+        self.draft += sum(it.drafter_seconds for it in g.iterations)
+        self.target += g.target_seconds
+        self.verify += sum(it.verify_seconds for it in g.iterations)
+        self.wall += g.seconds - g.prefill_seconds
+        self.accepted += sum(it.accepted for it in g.iterations)
+        self.generations += 1
+
+    @property
+    def overhead(self) -> float:
+        return self.wall - self.draft - self.target - self.verify
+
+    def tokens_per_second(self) -> float:
+        """The median over repeats of end-to-end tokens/s (each repeat: all prompts, prefill included)."""
+        return statistics.median(n / s for n, s in self.runs)
+
+
+def make_drafter(
+    spec: str | None, model, draft_vocab: int | None = None
+) -> tuple[torch.nn.Module | None, list[int] | None]:
+    """(drafter, its feature layers) from an exported folder or `untrained-<name>` (random weights with a
+    draft vocabulary of the first `draft_vocab` ids, None = all: the shape of a trained one, costs only);
+    (None, None) without a drafter."""
+    if spec is None:
+        return None, None
+    if spec.startswith(UNTRAINED):
+        from specblock.train.modeling import DRAFTER_CONFIGS, build_drafter
+
+        name = spec[len(UNTRAINED) :]
+        torch.manual_seed(0)
+        emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+        d2t = None if draft_vocab is None else torch.arange(draft_vocab)
+        cfg = DRAFTER_CONFIGS[name](draft_vocab_size=draft_vocab)
+        return build_drafter(name, cfg, model.config, emb, head, d2t).eval(), None
+    from specblock.train.export import load_drafter
+
+    module, meta = load_drafter(spec)
+    return module, meta["feature_layers"]
+
+
+class HFGreedy:
+    """Greedy decoding with the bare HF model and a DynamicCache (no 4-D mask, no hidden states, logits
+    of the last position only): the check that the loop's autoregressive baseline is not handicapped."""
+
+    def __init__(self, model, max_new_tokens: int, eos: list[int]):
+        self.model, self.max_new_tokens, self.eos = model, max_new_tokens, set(eos)
+
+    @torch.no_grad()
+    def generate(self, prompt: list[int], seed: int = 0) -> Generation:
+        start, dev = time.perf_counter(), self.model.device
+        cache = DynamicCache()
+        logits = self.model(torch.tensor([prompt], device=dev), cache=cache, logits_to_keep=1).logits
+        out = [int(logits[0, -1].argmax())]
+        prefill, target = time.perf_counter() - start, 0.0
+        while len(out) < self.max_new_tokens and out[-1] not in self.eos:
+            t0 = time.perf_counter()
+            logits = self.model(torch.tensor([[out[-1]]], device=dev), cache=cache, logits_to_keep=1).logits
+            target += time.perf_counter() - t0
+            out.append(int(logits[0, -1].argmax()))
+        return Generation(out, [], len(out), len(out), time.perf_counter() - start, prefill, target)
+
+
+def decoders(args, model, eos: list[int]) -> dict[str, SpeculativeDecoder]:
+    """One decoder per method, all on `model`; the drafter is cast to the model's dtype."""
+    drafter, layers = make_drafter(args.drafter, model, args.draft_vocab)
+    if drafter is not None:
+        drafter = drafter.to(device=model.device, dtype=model.dtype)
+    out = {}
+    for method in args.methods:
+        if method == HF_GREEDY:
+            out[method] = HFGreedy(model, args.max_new_tokens, eos)
+            continue
+        # tree@16 / tree@auto: the tree's budget; chain-token@6 / chain-token@auto: the chain's length
+        # (auto: chosen per iteration up to --draft-length)
+        name, _, size = method.partition("@")
+        mode, verifier = parse_method(name)
+        tree, length = _default_trees().get(_drafter_name(drafter), TreeConfig()), args.draft_length
+        if size and mode == "tree":
+            tree = replace(tree, budget=int(size) if size.isdigit() else size)
+        elif size.isdigit():
+            length = int(size)
+        cfg = DecodeConfig(
+            mode, verifier, args.num_drafts if mode == "iid" else 1, length, args.temperature,
+            max_new_tokens=args.max_new_tokens, tree=tree, auto_length=size == "auto" and mode != "tree",
+        )  # fmt: skip
+        target = FeatureTarget(model, layers if mode not in ("autoregressive", "lookup") else None)
+        out[method] = SpeculativeDecoder(target, drafter, cfg, eos)
+    return out
+
+
+def _drafter_name(drafter) -> str | None:
+    """specblock / eagle3 for the evaluation app's default tree shapes (config._default_trees)."""
+    return {"SpecBlockDrafter": "specblock", "Eagle3Drafter": "eagle3"}.get(type(drafter).__name__)
+
+
+def auto_budget_lines(decs: dict[str, dict[str, SpeculativeDecoder]]) -> list[str]:
+    """For every @auto decoder: the measured forward curve and the budgets (lengths) it chose."""
+    lines = []
+    for dt, per_dtype in decs.items():
+        for m, dec in per_dtype.items():
+            auto = getattr(dec, "auto", None)
+            if auto is None or auto.curve is None:
+                continue
+            curve = ", ".join(f"{n}: {ms:.0f}" for n, ms in zip(auto.curve.sizes, auto.curve.ms))
+            mean = statistics.mean(auto.chosen) if auto.chosen else float("nan")
+            lines.append(
+                f"{dt} {m}: forward ms by tokens fed {{{curve}}} (measured in {dec.calibration_seconds:.1f} s); "
+                f"budget chosen: mean {mean:.1f}, min {min(auto.chosen)}, max {max(auto.chosen)} over "
+                f"{len(auto.chosen)} iterations; calibration c = {auto.c:.2f}, fixed {auto.fixed_ms:.1f} ms"
+            )
+    return lines
+
+
+def run_decoding(args, models: dict[str, torch.nn.Module], eos, prompts) -> dict[tuple[str, str], Split]:
+    """Every (dtype, method) on every prompt, interleaved, `repeats` times after one warm-up prompt."""
+    decs = {dt: decoders(args, m, eos) for dt, m in models.items()}
+    for per_dtype in decs.values():  # warm-up: first-call allocations and kernel selection
+        for dec in per_dtype.values():
+            dec.generate(prompts[0][: args.warmup_tokens])
+    splits = {(dt, m): Split() for dt in decs for m in decs[dt]}
+    for r in range(args.repeats):
+        totals = {key: [0, 0.0] for key in splits}
+        for i, ids in enumerate(prompts):
+            for dt, per_dtype in decs.items():
+                reference = None  # autoregressive decoding's tokens in this dtype (it runs first)
+                for m, dec in per_dtype.items():
+                    g = dec.generate(ids, seed=i)
+                    reference = g.tokens if m == AUTOREGRESSIVE else reference
+                    splits[(dt, m)].add(g)
+                    splits[(dt, m)].differ += r == 0 and reference is not None and g.tokens != reference
+                    totals[(dt, m)][0] += len(g.tokens)
+                    totals[(dt, m)][1] += g.seconds
+        for key, (n, s) in totals.items():
+            splits[key].runs.append((n, s))
+    for line in auto_budget_lines(decs):
+        log.info(line)
+    return splits
+
+
+def decoding_table(splits: dict[tuple[str, str], Split], temperature: float) -> str:
+    lines = [
+        "| dtype | method | tokens / s (median) | x autoregressive (same dtype) | x float32 autoregressive "
+        "| tokens / iteration | per token: draft / target / verify / other ms "
+        "| per iteration: draft / target / verify / other ms | tokens ≠ autoregressive |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]  # fmt: skip
+    for (dt, m), s in splits.items():
+        tps = s.tokens_per_second()
+        same = splits.get((dt, AUTOREGRESSIVE))
+        f32 = splits.get(("float32", AUTOREGRESSIVE))
+
+        def x(ref: Split | None) -> str:
+            return "–" if ref is None else f"{tps / ref.tokens_per_second():.2f}x"
+
+        def ms(den: int) -> str:
+            return " / ".join(f"{1e3 * ratio(v, den):.2f}" for v in (s.draft, s.target, s.verify, s.overhead))
+
+        per_repeat = s.generations // len(s.runs)
+        differ = f"{s.differ} of {per_repeat}" if temperature == 0 else "–"
+        lines.append(
+            f"| {dt} | {m} | {tps:.1f} | {x(same)} | {x(f32)} | {ratio(s.tokens, s.iterations):.2f} "
+            f"| {ms(s.tokens)} | {ms(s.iterations)} | {differ} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def forward_times(model, context: int, lengths: list[int], repeats: int) -> dict[int, float]:
+    """Median seconds of one loop-style target forward (TargetSession: 4-D mask, hidden states) over n
+    tokens after a `context`-token KV cache, for each n in `lengths`; the cache is cut back after each."""
+    session = TargetSession(FeatureTarget(model))
+    session.reset()
+    gen = torch.Generator().manual_seed(0)
+    vocab = model.config.get_text_config().vocab_size
+    session.forward(torch.randint(0, vocab, (context,), generator=gen).tolist())
+    out = {}
+    for n in lengths:
+        ids = torch.randint(0, vocab, (n,), generator=gen).tolist()
+        times = []
+        for _ in range(repeats + 1):  # the first is a warm-up for this shape
+            start = time.perf_counter()
+            session.forward(ids)
+            times.append(time.perf_counter() - start)
+            session.keep(context, [])
+        out[n] = statistics.median(times[1:])
+    return out
+
+
+def forward_table(times: dict[str, dict[int, float]]) -> str:
+    dts = list(times)
+    head = " | ".join(f"{dt} ms | {dt} ms / token" for dt in dts)
+    lines = [f"| tokens fed | {head} |", "|---" * (1 + 2 * len(dts)) + "|"]
+    for n in next(iter(times.values())):
+        cells = " | ".join(f"{1e3 * times[dt][n]:.1f} | {1e3 * times[dt][n] / n:.2f}" for dt in dts)
+        lines.append(f"| {n} | {cells} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_forward(times: dict[str, dict[int, float]], context: int, path: str) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(5, 3.5))
+    FigureCanvasAgg(fig)  # Agg: no display
+    ax = fig.add_subplot()
+    for dt, t in times.items():
+        ax.plot(list(t), [1e3 * v for v in t.values()], marker="o", label=dt)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens fed in one forward")
+    ax.set_ylabel("target forward (ms, median)")
+    ax.set_title(f"Target forward vs tokens fed ({context}-token KV cache)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png", dpi=120)
+
+
+def load_prompts(args, tokenizer) -> list[list[int]]:
+    cfg = EvalConfig(
+        drafters={}, methods=[AUTOREGRESSIVE], datasets=[args.dataset], local_root=args.local_root,
+        limit=args.prompts,
+    )  # fmt: skip
+    return [prompt_ids(p, tokenizer)[-args.max_prompt_tokens :] for p in load_set(cfg, args.dataset).prompts]
+
+
+def parse_args(argv: list[str] | None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--methods", nargs="+", default=["autoregressive", "chain-token", "tree", "lookup"],
+        help=f"evaluation methods, and {HF_GREEDY} (temperature 0: the bare HF model with a cache)",
+    )  # fmt: skip
+    ap.add_argument("--drafter", help="an exported drafter folder, or untrained-eagle3 / untrained-specblock")
+    ap.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=8192,
+        help="an untrained drafter's draft vocabulary (as configs/drafter)",
+    )
+    ap.add_argument("--target", default=DEFAULT_TARGET_DIR)
+    ap.add_argument("--dtype", nargs="+", default=["float32"], choices=sorted(DTYPES))
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument(
+        "--threads", type=int, help="torch CPU threads (default torch's; on a CPU other jobs share, 1)"
+    )
+    ap.add_argument("--dataset", default="humaneval")
+    ap.add_argument(
+        "--local-root", default="auto", help="evaluation files (auto: ../shared/datasets if present)"
+    )
+    ap.add_argument("--prompts", type=int, default=3)
+    ap.add_argument("--max-prompt-tokens", type=int, default=512)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--warmup-tokens", type=int, default=32, help="prompt tokens of the warm-up generation")
+    ap.add_argument("--draft-length", type=int, default=4)
+    ap.add_argument("--num-drafts", type=int, default=4)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--context", type=int, default=300, help="KV cache length before the timed forwards")
+    ap.add_argument("--forward-tokens", type=int, nargs="+", default=FORWARD_TOKENS)
+    ap.add_argument("--forward-repeats", type=int, default=7)
+    ap.add_argument("--plot", default="docs/target_forward_vs_tokens.png")
+    ap.add_argument("--skip-decoding", action="store_true")
+    ap.add_argument("--skip-forward", action="store_true")
+    args = ap.parse_args(argv)
+    if args.local_root in ("none", "null"):
+        args.local_root = None
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    setup_logging()
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    models, tokenizer = {}, None
+    for dt in args.dtype:
+        models[dt], tokenizer = load_target(
+            TargetConfig(name_or_path=args.target, dtype=dt, device=args.device)
+        )
+    log.info(
+        f"target={args.target} device={args.device} torch={torch.__version__} threads={torch.get_num_threads()}"
+    )
+    if not args.skip_decoding:
+        prompts = load_prompts(args, tokenizer)
+        log.info(
+            f"{len(prompts)} {args.dataset} prompts ({sum(map(len, prompts))} tokens), {args.max_new_tokens} new "
+            f"tokens, L={args.draft_length}, T={args.temperature}, drafter={args.drafter}, {args.repeats} repeats\n"
+        )  # fmt: skip
+        splits = run_decoding(args, models, eos_ids(tokenizer, next(iter(models.values()))), prompts)
+        log.info(decoding_table(splits, args.temperature))
+    if not args.skip_forward:
+        times = {
+            dt: forward_times(m, args.context, args.forward_tokens, args.forward_repeats)
+            for dt, m in models.items()
+        }
+        log.info(f"target forward after a {args.context}-token cache (median of {args.forward_repeats}):\n")
+        log.info(forward_table(times))
+        plot_forward(times, args.context, args.plot)
+        log.info(f"plot: {args.plot}")
+
 
 if __name__ == "__main__":
     main()

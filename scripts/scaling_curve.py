@@ -20,7 +20,7 @@ from pathlib import Path
 
 from specblock.data.logs import setup_logging
 from specblock.evaluate.config import EvalConfig
-from specblock.evaluate.report import read_jsonl
+from specblock.evaluate.reporting.report import read_jsonl
 from specblock.evaluate.run import evaluate
 from specblock.train.checkpoint import list_checkpoints, read_meta
 from specblock.train.export import export_from_checkpoint

@@ -74,5 +74,12 @@ def test_wheel_layout(tmp_path):
     tops = {n.split("/")[0] for n in names}
     assert tops == {"specblock", next(t for t in tops if t.endswith(".dist-info"))}
     assert "specblock/evaluate/verify/greedy_block.py" in names
+    # every sub-package of the stage folders ships (pyproject.toml lists them one by one)
+    packages = [
+        p.parent.relative_to(REPO)
+        for s in ("data", "train", "evaluate")
+        for p in (REPO / s).rglob("__init__.py")
+    ]
+    assert not [p for p in packages if f"specblock/{p.as_posix()}/__init__.py" not in names]
     assert any(n.startswith("specblock/configs/") and n.endswith(".yaml") for n in names)
     assert not any(n.startswith("specblock/__init__") for n in names)

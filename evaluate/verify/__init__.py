@@ -7,7 +7,7 @@ convention); `verify_tree` verifies a drafted token tree. docs/verifiers.md is t
 from . import chain, greedy_block, multidraft  # noqa: F401  (registration)
 from .base import CROSS_ITERATION, SINGLE_DRAFT, VERIFIERS, Continuation, VerifyOutput, get_verifier
 from .multidraft import greedy_token
-from .sampling import Sampler, TorchSampler
+from .randomness import Sampler, TorchSampler
 from .tree import TREE_MODES, TokenTree, TreeVerifyOutput, verify_tree
 
 __all__ = [

@@ -17,7 +17,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from .sampling import Sampler
+from .randomness import Sampler
 
 # A law lookup along a prefix (tokens counted from the block start): returns a [V] probability vector.
 LawAt = Callable[[tuple[int, ...]], torch.Tensor]

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 
 from .base import VerifyOutput, check_inputs, register_verifier
-from .laws import draft_rows
-from .sampling import ACC_DTYPE, Sampler, backward_scan, make_sampler
+from .residuals import draft_rows
+from .randomness import ACC_DTYPE, Sampler, backward_scan, make_sampler
 
 
 def path_probs(probs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from .base import Verifier
-from .sampling import ACC_DTYPE
+from .randomness import ACC_DTYPE
 
 Prefix = tuple[int, ...]
 # Below this a branch's probability is treated as 0 (docs/verifiers.md section 10: prune below 1e-15).

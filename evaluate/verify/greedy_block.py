@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .base import LawAt, VerifyOutput, check_inputs, register_verifier
-from .laws import Prefix, Rows, residual_law, residual_masses, token_probs, working
-from .sampling import ACC_DTYPE, Sampler, backward_scan, make_sampler
+from .residuals import Prefix, Rows, residual_law, residual_masses, token_probs, working
+from .randomness import ACC_DTYPE, Sampler, backward_scan, make_sampler
 
 
 @dataclass(frozen=True)

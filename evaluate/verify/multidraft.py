@@ -13,8 +13,8 @@ from typing import Callable
 import torch
 
 from .base import VerifyOutput, check_inputs, register_verifier
-from .laws import Prefix, Rows, draft_rows, working
-from .sampling import ACC_DTYPE, Sampler, first_success, make_sampler
+from .residuals import Prefix, Rows, draft_rows, working
+from .randomness import ACC_DTYPE, Sampler, first_success, make_sampler
 
 # A node rule: (rows, the node's prefix y, candidate tokens in draft order, sampler) ->
 # (index of the accepted candidate, None), or (None, the correction: a [V] law or a token id).

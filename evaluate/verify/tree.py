@@ -24,7 +24,7 @@ import torch
 
 from .chain import clipped_ratio
 from .multidraft import greedy_token
-from .sampling import ACC_DTYPE, Sampler, make_sampler, residual
+from .randomness import ACC_DTYPE, Sampler, make_sampler, residual
 
 TREE_MODES = ("sampled", "deterministic", "greedy")
 

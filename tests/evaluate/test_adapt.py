@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specblock.evaluate.adapt import (
+from specblock.evaluate.decoding.adapt import (
     Adapter,
     AdaptConfig,
     CostAwareBandit,
@@ -17,8 +17,8 @@ from specblock.evaluate.adapt import (
     feedback_loss,
     slot_labels,
 )
-from specblock.evaluate.decode import DecodeConfig, SpeculativeDecoder
-from specblock.evaluate.drafting import TreeConfig
+from specblock.evaluate.decoding.loop import DecodeConfig, SpeculativeDecoder
+from specblock.evaluate.decoding.drafting import TreeConfig
 from specblock.evaluate.verify.exact import enumerate_outcomes
 
 import tiny_decoding as td  # tests/support

@@ -10,9 +10,9 @@ import time
 import pytest
 import torch
 
-from specblock.evaluate import decode as decode_mod
-from specblock.evaluate.decode import DecodeConfig, SpeculativeDecoder, TargetSession, greedy_path
-from specblock.evaluate.drafting import DraftTree, TreeConfig, drafts_tree
+from specblock.evaluate.decoding import loop as decode_mod
+from specblock.evaluate.decoding.loop import DecodeConfig, SpeculativeDecoder, TargetSession, greedy_path
+from specblock.evaluate.decoding.drafting import DraftTree, TreeConfig, drafts_tree
 from specblock.evaluate.verify import VerifyOutput
 from specblock.evaluate.verify.exact import enumerate_outcomes
 from specblock.evaluate.verify import base as verify_base
@@ -95,7 +95,7 @@ class OracleRoot:
     still runs, caches and all; only its output law is replaced): a test's way to choose the draft law."""
 
     def __init__(self, fn, prompt_len: int):
-        from specblock.evaluate import drafting
+        from specblock.evaluate.decoding import drafting
 
         self.drafting, self.saved = drafting, [(drafting.Root, "logits", drafting.Root.logits)]
         original = drafting.Root.logits
@@ -368,7 +368,7 @@ def test_exact_law_of_the_loop_with_continuations(exact_setup):
 def frozen_auto(monkeypatch, ms_per_token: float):
     """The auto length's choice made deterministic (exact enumeration replays the loop many times): a
     fixed forward curve, no online updates of c, the fixed cost or the drafting cost."""
-    from specblock.evaluate import budget
+    from specblock.evaluate.decoding import budget
 
     curve = budget.ForwardCurve([1, 64], [10.0, 10.0 + 63 * ms_per_token])
     monkeypatch.setattr(budget, "measure_forward_curve", lambda probe, grid: curve)
@@ -529,7 +529,7 @@ def test_continuation_draft_laws_come_prefetched_and_count_as_drafting(greedy_se
 def test_specblock_draft_laws_are_formed_once_per_slot(greedy_setup, monkeypatch):
     """Within a block a SpecBlock slot's law does not depend on the sampled tokens before it: the [V] law
     is formed once per (block, slot), not once per prefix."""
-    from specblock.evaluate import drafting
+    from specblock.evaluate.decoding import drafting
 
     target, ds = greedy_setup
     formed = []

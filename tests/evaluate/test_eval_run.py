@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from specblock.data.target import TINY_TARGET_DIR, TargetConfig, ensure_embedded_target, load_target
 from specblock.evaluate.config import METHODS, EvalConfig, parse_method, register_configs
 from specblock.evaluate.pipeline import config_diff
-from specblock.evaluate.report import read_jsonl
+from specblock.evaluate.reporting.report import read_jsonl
 from specblock.evaluate.run import evaluate
 from specblock.train.export import export_drafter
 from specblock.train.modeling import build_drafter
@@ -101,9 +101,9 @@ def test_evaluate_end_to_end_on_tiny_target(tmp_path):
 
 
 def test_sweep_report_pools_jobs_and_plots_swept_axes(tmp_path):
-    from specblock.evaluate.metrics import Accumulator
-    from specblock.evaluate.report import records, write_jsonl
-    from specblock.evaluate.sweep_report import sweep_report
+    from specblock.evaluate.reporting.metrics import Accumulator
+    from specblock.evaluate.reporting.report import records, write_jsonl
+    from specblock.evaluate.reporting.sweep import sweep_report
 
     for L in (2, 4):
         acc = Accumulator()
@@ -144,15 +144,15 @@ def test_multirun_sweep_writes_one_folder_per_job_and_pools(tmp_path):
     files = sorted(sweep.rglob("results.jsonl"))
     assert [f.parent.name for f in files] == ["job0", "job1"]
     assert [read_jsonl(f)[0]["L"] for f in files] == [2, 3]
-    from specblock.evaluate.sweep_report import sweep_report
+    from specblock.evaluate.reporting.sweep import sweep_report
 
     assert [p.name for p in sweep_report(sweep, tmp_path / "report")] == ["block_efficiency_vs_L.png"]
 
 
 def test_wandb_logging_of_results_offline(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
-    from specblock.evaluate.metrics import Accumulator
-    from specblock.evaluate.report import records
+    from specblock.evaluate.reporting.metrics import Accumulator
+    from specblock.evaluate.reporting.report import records
     from specblock.evaluate.run import _log_wandb
 
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -193,7 +193,7 @@ def test_greedy_mismatches_are_counted_per_method_and_explained(tmp_path, monkey
     """At temperature 0 a generation whose tokens differ from autoregressive decoding's is counted under
     its method, and the report says why (the top-2 logit gap where it diverged); the same app runs the
     target in bf16 (target.dtype), lookup needing no drafter."""
-    from specblock.evaluate.decode import SpeculativeDecoder
+    from specblock.evaluate.decoding.loop import SpeculativeDecoder
 
     real, flipped = SpeculativeDecoder.generate, []
 

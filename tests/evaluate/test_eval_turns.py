@@ -11,8 +11,8 @@ import torch
 from specblock.data.target import TINY_TARGET_DIR, TargetConfig, ensure_embedded_target, load_target
 from specblock.evaluate import run as run_mod
 from specblock.evaluate.config import EvalConfig
-from specblock.evaluate.decode import SpeculativeDecoder
-from specblock.evaluate.report import read_jsonl
+from specblock.evaluate.decoding.loop import SpeculativeDecoder
+from specblock.evaluate.reporting.report import read_jsonl
 from specblock.train.export import export_drafter
 from specblock.train.modeling import build_drafter
 from specblock.train.modeling.eagle3 import Eagle3Config

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from specblock.evaluate.laws import next_token_law
+from specblock.evaluate.decoding.temperature import next_token_law
 
 
 def test_temperature_zero_is_argmax_with_first_index_on_ties():

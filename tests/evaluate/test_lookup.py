@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from specblock.evaluate.lookup import LookupConfig, LookupSession, NgramIndex, ngram_draft
+from specblock.evaluate.decoding.lookup import LookupConfig, LookupSession, NgramIndex, ngram_draft
 
 
 def both(context: list[int], max_n: int = 3, min_n: int = 1, length: int = 4) -> list[int]:

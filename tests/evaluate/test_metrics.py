@@ -2,7 +2,7 @@
 
 import pytest
 
-from specblock.evaluate.metrics import (
+from specblock.evaluate.reporting.metrics import (
     AUTOREGRESSIVE,
     OVERALL,
     Accumulator,

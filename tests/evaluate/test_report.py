@@ -2,8 +2,8 @@
 
 import pytest
 
-from specblock.evaluate.metrics import AUTOREGRESSIVE, OVERALL, Accumulator
-from specblock.evaluate.report import (
+from specblock.evaluate.reporting.metrics import AUTOREGRESSIVE, OVERALL, Accumulator
+from specblock.evaluate.reporting.report import (
     block_efficiency_table,
     markdown_report,
     plot_acceptance_at,

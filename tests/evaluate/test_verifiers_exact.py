@@ -23,9 +23,9 @@ from specblock.evaluate.verify.exact import (
     sequences,
 )
 from specblock.evaluate.verify.greedy_block import Coupling, RGBVContinuation, Stage, committed_reach, row_law
-from specblock.evaluate.verify.laws import draft_rows
+from specblock.evaluate.verify.residuals import draft_rows
 from specblock.evaluate.verify.multidraft import RHO_TOL
-from specblock.evaluate.verify.sampling import ACC_DTYPE, backward_scan, make_sampler
+from specblock.evaluate.verify.randomness import ACC_DTYPE, backward_scan, make_sampler
 
 TOL = 1e-9
 STOCHASTIC = ["token", "block", "greedy_block", "spectr", "rrs", "spectr_gbv"]

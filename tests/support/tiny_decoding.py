@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from specblock.data.target import FeatureTarget
-from specblock.evaluate.laws import next_token_law
+from specblock.evaluate.decoding.temperature import next_token_law
 from specblock.train.modeling import build_drafter
 from specblock.train.modeling.eagle3 import Eagle3Config
 from specblock.train.modeling.specblock import SpecBlockConfig

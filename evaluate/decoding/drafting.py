@@ -30,7 +30,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from specblock.evaluate.laws import next_token_law
+from specblock.evaluate.decoding.temperature import next_token_law
 from specblock.train.losses import RELEASE_TOPK_PER_CLASS
 from specblock.train.modeling.common import DraftCache
 from specblock.train.modeling.eagle3 import Eagle3Drafter

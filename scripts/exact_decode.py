@@ -1,7 +1,7 @@
 """Exact expected target calls to emit H tokens, for every verifier, on small random table models.
 
-    specblock exact-decode                       # the BV paper's toy + 4 random instances
-    specblock exact-decode --vocab 4 --length 2 --horizon 5 --instances 6
+    python scripts/exact_decode.py                       # the BV paper's toy + 4 random instances
+    python scripts/exact_decode.py --vocab 4 --length 2 --horizon 5 --instances 6
 
 This decides which verifier is faster over whole decodes: the greedy methods' first-iteration gain can
 be paid back in later iterations, which must verify against their continuation law. Every row is
@@ -14,8 +14,14 @@ import argparse
 import logging
 
 from specblock.data.logs import setup_logging
-from .verify import SINGLE_DRAFT, get_verifier
-from .verify.exact import TableModel, decode_law, expected_accepted, iteration_outcomes, law_error
+from specblock.evaluate.verify import SINGLE_DRAFT, get_verifier
+from specblock.evaluate.verify.exact import (
+    TableModel,
+    decode_law,
+    expected_accepted,
+    iteration_outcomes,
+    law_error,
+)
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,14 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from specblock.data.io import atomic_path
-from specblock.evaluate.metrics import OVERALL, Accumulator, Counts, acceptance_at, block_efficiency, derived
+from specblock.evaluate.reporting.metrics import (
+    OVERALL,
+    Accumulator,
+    Counts,
+    acceptance_at,
+    block_efficiency,
+    derived,
+)
 
 RESERVED = ("dataset", "method", "counts", "metrics")  # record keys a config field may not shadow
 MISSING = "–"  # a cell with no data, or a ratio with a zero denominator

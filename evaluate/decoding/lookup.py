@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from specblock.evaluate.drafting import DraftCost
+from specblock.evaluate.decoding.drafting import DraftCost
 
 
 @dataclass

@@ -37,8 +37,8 @@ from torch import Tensor
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from specblock.data.target import FeatureTarget
-from specblock.evaluate.budget import FORWARD_GRID, AutoBudget, measure_forward_curve
-from specblock.evaluate.drafting import (
+from specblock.evaluate.decoding.budget import FORWARD_GRID, AutoBudget, measure_forward_curve
+from specblock.evaluate.decoding.drafting import (
     AUTO,
     DraftTree,
     Prefix,
@@ -49,8 +49,8 @@ from specblock.evaluate.drafting import (
     make_session,
     sample_drafts,
 )
-from specblock.evaluate.lookup import LookupConfig, LookupSession
-from specblock.evaluate.laws import GREEDY, next_token_law
+from specblock.evaluate.decoding.lookup import LookupConfig, LookupSession
+from specblock.evaluate.decoding.temperature import GREEDY, next_token_law
 from specblock.evaluate.verify import (
     CROSS_ITERATION,
     SINGLE_DRAFT,
@@ -59,7 +59,7 @@ from specblock.evaluate.verify import (
     get_verifier,
     verify_tree,
 )
-from specblock.evaluate.verify.sampling import Sampler, TorchSampler
+from specblock.evaluate.verify.randomness import Sampler, TorchSampler
 
 MODES = ("chain", "iid", "tree", "lookup", "autoregressive")
 DRAFTERLESS = ("autoregressive", "lookup")  # modes that need no drafter checkpoint
