@@ -12,10 +12,11 @@ from specblock.data.evalsets import EVAL_SETS
 from specblock.data.question_sets import CustomSetConfig
 from specblock.data.target import TargetConfig
 
-from .decoding.adapt import AdaptConfig
-from .decoding.loop import DRAFTERLESS, MODES
-from .decoding.drafting import AUTO, TreeConfig
+from .adapt import AdaptConfig
+from .decoding.drafters import default_trees
 from .decoding.lookup import LookupConfig
+from .decoding.loop import DRAFTERLESS, MODES
+from .decoding.trees import AUTO, TreeConfig
 from .verify import CROSS_ITERATION, VERIFIERS
 
 
@@ -43,15 +44,6 @@ def parse_method(method: str) -> tuple[str, str]:
     if verifier and verifier not in VERIFIERS:
         raise ValueError(f"method {method!r}: unknown verifier {verifier!r}; registered: {sorted(VERIFIERS)}")
     return mode, verifier or "token"
-
-
-def _default_trees() -> dict[str, TreeConfig]:
-    # docs/specblock.md 1.4: SpecBlock serves 2 block rounds, beam 10, budget 90; EAGLE-3 7 steps, top-10,
-    # budget 60. Budgets are scaled down for a CPU target (tree tokens cost target time here).
-    return {
-        "specblock": TreeConfig(budget=32, steps=2, beam=10, topk=10),
-        "eagle3": TreeConfig(budget=32, steps=5, beam=8, topk=8),
-    }
 
 
 @dataclass
@@ -95,7 +87,8 @@ class EvalConfig:
     max_draft_length: int = 8
     temperature: float = 0.0
     top_p: float = 1.0
-    trees: dict[str, TreeConfig] = field(default_factory=_default_trees)
+    # tree shape per drafter (name -> shape); default: each registered drafter's (decoding/drafters.py)
+    trees: dict[str, TreeConfig] = field(default_factory=default_trees)
     lookup: LookupConfig = field(default_factory=LookupConfig)  # prompt lookup's n-gram range
     adapt: AdaptConfig = field(default_factory=AdaptConfig)  # serving-time adaptation (off by default)
     seed: int = 0

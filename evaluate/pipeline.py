@@ -69,9 +69,10 @@ def train_stage(drafter: str, extra: list[str]) -> Path:
     resolved = compose_train(overrides)
     run_dir = Path(resolved["output_dir"])
     export = run_dir / "drafter"
-    saved_path = run_dir / "config.yaml"
-    if saved_path.exists():
-        diff = config_diff(OmegaConf.to_container(OmegaConf.load(saved_path), resolve=True), resolved)
+    if (run_dir / "config.yaml").exists():  # read into today's schema: runs saved by older code compare too
+        from specblock.train.config import saved_run_config
+
+        diff = config_diff(OmegaConf.to_container(saved_run_config(run_dir), resolve=True), resolved)
         if diff:
             raise SystemExit(
                 f"{run_dir} holds a run with another config; differing keys:\n  " + "\n  ".join(diff)

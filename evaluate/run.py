@@ -20,7 +20,7 @@ import logging
 import os
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from tqdm.auto import tqdm
@@ -30,10 +30,10 @@ from specblock.data.io import atomic_path
 from specblock.data.target import FeatureTarget, ensure_embedded_target, eos_ids, load_target
 from specblock.train.export import load_drafter
 
-from .decoding.adapt import Adapter
+from .adapt import Adapter
 from .config import EvalConfig, parse_method
 from .decoding.loop import DRAFTERLESS, DecodeConfig, Generation, SpeculativeDecoder
-from .decoding.drafting import AUTO, TreeConfig
+from .decoding.trees import AUTO, TreeConfig
 from .reporting.metrics import AUTOREGRESSIVE, Accumulator
 from .reporting.report import (
     category_report,
@@ -145,30 +145,70 @@ def record(acc: Accumulator, dataset: str, label: str, g: Generation) -> None:
     )  # fmt: skip
 
 
+class Setup(NamedTuple):
+    """What the stage decodes with (`build`): the target model and its tokenizer, the (label, decoder)
+    runs in order (autoregressive first: the reference), the evaluation sets, and the sets that could not
+    be loaded (name -> why)."""
+
+    model: Any
+    tokenizer: Any
+    runs: list[tuple[str, SpeculativeDecoder]]
+    sets: list[EvalSet]
+    unavailable: dict[str, str]
+
+
+class Decoded(NamedTuple):
+    """What `generate` counted: per (dataset, method), per ("<dataset>/<category>", method), the greedy
+    mismatches per method and, for each, the target's top-2 logit gap where it first left autoregressive
+    decoding's tokens."""
+
+    acc: Accumulator
+    by_category: Accumulator
+    mismatches: dict[str, int]
+    gaps: dict[str, list[float]]
+
+
 def evaluate(cfg: EvalConfig, resolved: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    """Runs the stage (module docstring); returns the result records."""
-    out_dir = Path(cfg.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    """Runs the stage (module docstring): build, generate, write; returns the result records."""
+    setup = build(cfg)
+    decoded = generate(setup, cfg)
+    return write(cfg, decoded, setup.unavailable, resolved)
+
+
+def build(cfg: EvalConfig) -> Setup:
+    """The target, one decoder per (method, drafter) and the evaluation sets."""
+    Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
     ensure_embedded_target(cfg.target.name_or_path)
     model, tokenizer = load_target(cfg.target)
-    speculative = cfg.drafter_methods
-    drafters = load_drafters(cfg, model) if speculative else {}
-    eos = eos_ids(tokenizer, model)
+    runs = decoders(cfg, model, eos_ids(tokenizer, model))
+    return Setup(model, tokenizer, runs, *load_sets(cfg))
+
+
+def decoders(cfg: EvalConfig, model, eos: list[int]) -> list[tuple[str, SpeculativeDecoder]]:
+    """(label, decoder): autoregressive first (the reference), then lookup, then every method of every
+    drafter ("<drafter>:<method>", "+adapt" when it adapts while it serves)."""
+    drafters = load_drafters(cfg, model) if cfg.drafter_methods else {}
     plain = FeatureTarget(model, cfg.target.feature_layers)
-    runs = [  # (label, decoder): autoregressive first (the reference), then lookup, then every drafter
+    runs = [
         (m, SpeculativeDecoder(plain, None, decode_config(cfg, m, None), eos))
         for m in DRAFTERLESS
         if m in cfg.methods
     ]
     for name, (module, meta) in drafters.items():
         target = FeatureTarget(model, meta["feature_layers"])  # the layers this drafter was trained on
-        for method in speculative:
+        for method in cfg.drafter_methods:
             adapter, drafter, suffix = None, module, ""
             if cfg.adapt.enabled:  # each run adapts its own copy, from the exported weights (reset per run)
                 drafter = copy.deepcopy(module)
                 adapter, suffix = Adapter(drafter, cfg.adapt), "+adapt"
             dec = SpeculativeDecoder(target, drafter, decode_config(cfg, method, name), eos, adapter=adapter)
             runs.append((f"{name}{SEPARATOR}{method}{suffix}", dec))
+    return runs
+
+
+def load_sets(cfg: EvalConfig) -> tuple[list[EvalSet], dict[str, str]]:
+    """Every evaluation set that loads, and the ones that do not (name -> why; with on_unavailable=error
+    the first one raises)."""
     sets, unavailable = [], {}
     for d in cfg.datasets:
         try:
@@ -180,24 +220,22 @@ def evaluate(cfg: EvalConfig, resolved: dict[str, Any] | None = None) -> list[di
             log.warning(f"WARNING: skipping {d}: {err}")
     for s in sets:
         log.info(s.summary())
-    acc, by_category, mismatches, gaps = decode_sets(sets, runs, model, tokenizer, cfg)
-    fields = {
-        "K": cfg.num_drafts,
-        "L": cfg.draft_length,
-        "temperature": cfg.temperature,
-        "top_p": cfg.top_p,
-        "dtype": cfg.target.dtype,  # of the target and every drafter (auto resolved)
-        "max_new_tokens": cfg.max_new_tokens,
-        "limit": cfg.limit,
-        "trees": {k: asdict(v) for k, v in cfg.trees.items()},
-    }
-    rows = records(acc, fields)
+    return sets, unavailable
+
+
+def write(
+    cfg: EvalConfig, decoded: Decoded, unavailable: dict[str, str], resolved: dict[str, Any] | None
+) -> list[dict[str, Any]]:
+    """results.jsonl, results.md (+ the per-category files), acceptance_at.png, the resolved config and
+    W&B; returns the records."""
+    out_dir = Path(cfg.output_dir)
+    rows = records(decoded.acc, record_fields(cfg))
     for r in rows:
-        r["greedy_mismatches"] = mismatches.get(r["method"], 0) if r["dataset"] == "overall" else None
+        r["greedy_mismatches"] = decoded.mismatches.get(r["method"], 0) if r["dataset"] == "overall" else None
     write_jsonl(out_dir / "results.jsonl", rows)
-    report = markdown_report(rows) + cost_table(rows) + _mismatch_note(mismatches, gaps, cfg)
-    if by_category.datasets():
-        category_rows = records(by_category, fields)
+    report = markdown_report(rows) + cost_table(rows) + _mismatch_note(decoded.mismatches, decoded.gaps, cfg)
+    if decoded.by_category.datasets():
+        category_rows = records(decoded.by_category, record_fields(cfg))
         write_jsonl(out_dir / "results_by_category.jsonl", category_rows)
         report += category_report(category_rows)
     if unavailable:
@@ -214,6 +252,20 @@ def evaluate(cfg: EvalConfig, resolved: dict[str, Any] | None = None) -> list[di
         f"results: {out_dir / 'results.jsonl'}, {out_dir / 'results.md'}, {out_dir / 'acceptance_at.png'}"
     )
     return rows
+
+
+def record_fields(cfg: EvalConfig) -> dict[str, Any]:
+    """The configuration every result record carries (what a sweep varies)."""
+    return {
+        "K": cfg.num_drafts,
+        "L": cfg.draft_length,
+        "temperature": cfg.temperature,
+        "top_p": cfg.top_p,
+        "dtype": cfg.target.dtype,  # of the target and every drafter (auto resolved)
+        "max_new_tokens": cfg.max_new_tokens,
+        "limit": cfg.limit,
+        "trees": {k: asdict(v) for k, v in cfg.trees.items()},
+    }
 
 
 def divergence_gap(model, prompt: list[int], reference: list[int], tokens: list[int]) -> float:
@@ -241,12 +293,11 @@ def generate_turns(
     return gens
 
 
-def decode_sets(
-    sets: list[EvalSet], runs: list[tuple[str, SpeculativeDecoder]], model, tokenizer, cfg: EvalConfig
-) -> tuple[Accumulator, Accumulator, dict[str, int], dict[str, list[float]]]:
+def generate(setup: Setup, cfg: EvalConfig) -> Decoded:
     """Every (prompt, run): counts per (dataset, method), per ("<dataset>/<category>", method) for
     prompts with a category, the greedy mismatches per method (turn by turn) and, for each, the target's
     top-2 logit gap where it first left the autoregressive tokens."""
+    sets, runs, model, tokenizer = setup.sets, setup.runs, setup.model, setup.tokenizer
     acc, by_category, mismatches, gaps = Accumulator(), Accumulator(), {}, {}
     bar = tqdm(total=sum(len(s) for s in sets) * len(runs), desc="evaluate", unit="gen")
     for s in sets:
@@ -269,7 +320,7 @@ def decode_sets(
                     )
                 bar.update()
     bar.close()
-    return acc, by_category, mismatches, gaps
+    return Decoded(acc, by_category, mismatches, gaps)
 
 
 def first_gap(

@@ -31,9 +31,11 @@ from specblock.data.evalsets import prompt_ids
 from specblock.data.logs import setup_logging
 from specblock.data.target import DEFAULT_TARGET_DIR, DTYPES, FeatureTarget, TargetConfig, load_target
 
-from specblock.evaluate.config import EvalConfig, _default_trees, parse_method
-from specblock.evaluate.decoding.loop import DecodeConfig, Generation, SpeculativeDecoder, TargetSession
-from specblock.evaluate.decoding.drafting import TreeConfig
+from specblock.evaluate.config import EvalConfig, parse_method
+from specblock.evaluate.decoding.drafters import drafting_spec
+from specblock.evaluate.decoding.loop import DecodeConfig, Generation, SpeculativeDecoder
+from specblock.evaluate.decoding.target import TargetSession
+from specblock.evaluate.decoding.trees import TreeConfig
 from specblock.evaluate.reporting.metrics import AUTOREGRESSIVE, ratio
 from specblock.evaluate.run import eos_ids, load_set
 
@@ -87,13 +89,13 @@ def make_drafter(
     if spec is None:
         return None, None
     if spec.startswith(UNTRAINED):
-        from specblock.train.modeling import DRAFTER_CONFIGS, build_drafter
+        from specblock.train.drafters import build_drafter, train_spec
 
         name = spec[len(UNTRAINED) :]
         torch.manual_seed(0)
         emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
         d2t = None if draft_vocab is None else torch.arange(draft_vocab)
-        cfg = DRAFTER_CONFIGS[name](draft_vocab_size=draft_vocab)
+        cfg = train_spec(name).config(draft_vocab_size=draft_vocab)
         return build_drafter(name, cfg, model.config, emb, head, d2t).eval(), None
     from specblock.train.export import load_drafter
 
@@ -137,7 +139,7 @@ def decoders(args, model, eos: list[int]) -> dict[str, SpeculativeDecoder]:
         # (auto: chosen per iteration up to --draft-length)
         name, _, size = method.partition("@")
         mode, verifier = parse_method(name)
-        tree, length = _default_trees().get(_drafter_name(drafter), TreeConfig()), args.draft_length
+        tree, length = default_tree(drafter), args.draft_length
         if size and mode == "tree":
             tree = replace(tree, budget=int(size) if size.isdigit() else size)
         elif size.isdigit():
@@ -151,9 +153,9 @@ def decoders(args, model, eos: list[int]) -> dict[str, SpeculativeDecoder]:
     return out
 
 
-def _drafter_name(drafter) -> str | None:
-    """specblock / eagle3 for the evaluation app's default tree shapes (config._default_trees)."""
-    return {"SpecBlockDrafter": "specblock", "Eagle3Drafter": "eagle3"}.get(type(drafter).__name__)
+def default_tree(drafter) -> TreeConfig:
+    """The evaluation app's tree shape for this drafter (its spec's, decoding/drafters.py)."""
+    return TreeConfig() if drafter is None else replace(drafting_spec(drafter.cfg.name).default_tree)
 
 
 def auto_budget_lines(decs: dict[str, dict[str, SpeculativeDecoder]]) -> list[str]:

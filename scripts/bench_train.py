@@ -31,10 +31,10 @@ from specblock.data.target import (
     load_target,
 )
 from specblock.train.losses import LossConfig
-from specblock.train.modeling import build_drafter, build_vocab_map
+from specblock.train.drafters import build_drafter, train_spec
+from specblock.train.modeling import build_vocab_map
 from specblock.train.optim import OptimConfig, build_optimizer
-from specblock.train.config import DrafterConfig
-from specblock.train.distill import STRATEGIES, StrategyConfig
+from specblock.train.distill import StrategyConfig
 
 
 def timed(fn, repeats: int) -> tuple[float, float]:
@@ -57,19 +57,21 @@ def measure(args) -> dict:
     layers = default_feature_layers(target.config.num_hidden_layers)
     counts = torch.bincount(ids.flatten().cpu(), minlength=vocab) + torch.arange(vocab).flip(0) / vocab
     d2t = build_vocab_map(counts, args.draft_vocab)[0]
-    cfg = DrafterConfig(
-        name=args.drafter, draft_vocab_size=args.draft_vocab, ttt_length=args.slots, block_size=args.slots
+    spec = train_spec(args.drafter)
+    slots = {"specblock": "block_size", "eagle3": "ttt_length"}  # what --slots sets in each drafter
+    cfg = spec.config(
+        draft_vocab_size=args.draft_vocab, num_feature_layers=len(layers), **{slots[args.drafter]: args.slots}
     )
     module = build_drafter(
         args.drafter,
-        cfg.specific(len(layers)),
+        cfg,
         target.config,
         target.get_input_embeddings().weight,
         target.get_output_embeddings().weight,
         d2t,
     ).to(args.device)
     head = TargetHead.of(target)
-    strategy = STRATEGIES[args.drafter](
+    strategy = spec.strategy(
         module, target, layers, LossConfig(), StrategyConfig(num_ttt_blocks=args.blocks), head
     )
     optimizer = build_optimizer(module, OptimConfig(lr=1e-4))

@@ -21,9 +21,9 @@ from omegaconf import OmegaConf
 
 from specblock.data.logs import setup_logging
 from specblock.train.batching import shifted_tokens, teacher_and_valid
-from specblock.train.config import TrainConfig, register_configs
+from specblock.train.config import TrainConfig, saved_run_config
 from specblock.train.export import load_drafter
-from specblock.train.losses import (
+from specblock.train.rank_labels import (
     DEFAULT_TOPK_PER_CLASS,
     RELEASE_TOPK_PER_CLASS,
     branch_coverage,
@@ -36,10 +36,7 @@ from specblock.train.run import build
 
 def collect(run: Path, drafter: Path, rows: int, batch: int) -> tuple[dict[str, torch.Tensor], list[int]]:
     """Predicted and true classes, ranks and validity [N, K] over the held-out rows; the rank buckets."""
-    register_configs()
-    cfg: TrainConfig = OmegaConf.to_object(
-        OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.load(run / "config.yaml"))
-    )
+    cfg: TrainConfig = OmegaConf.to_object(saved_run_config(run))
     built = build(cfg)
     module, _ = load_drafter(drafter)
     data = built.held_out or [built.rows[i] for i in range(len(built.rows) - rows, len(built.rows))]

@@ -13,7 +13,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from .losses import TeacherLaw, argmax_last
+from .teacher_law import TeacherLaw, argmax_last
 
 
 def collate(rows: Sequence[Mapping[str, torch.Tensor]], pad_id: int) -> dict[str, torch.Tensor]:

@@ -2,44 +2,21 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 from specblock.data.config import PrepareConfig
 
 from .distill import StrategyConfig
+from .drafters import train_spec
 from .losses import LossConfig
-from .modeling import DRAFTER_CONFIGS
+from .modeling import DrafterConfig
 from .trainer import TrainerConfig
 
 FEATURE_MODES = ("online", "offline")
-
-
-@dataclass
-class DrafterConfig:
-    """Which drafter (a DRAFTERS name) and its architecture: the union of the drafters' fields; each
-    drafter reads its own (`specific()`). draft_vocab_size None = the target's full vocabulary."""
-
-    name: str = "specblock"
-    block_size: int = 4  # SpecBlock: slots per block (K)
-    num_layers: int = 2  # SpecBlock: decoder layers
-    ttt_length: int = 7  # EAGLE-3: training-time-test steps
-    draft_vocab_size: int | None = None
-    rank_buckets: list[int] = field(default_factory=lambda: [1, 4, 10])
-    rank_hidden: int = 256
-    rank_topk: int = 10
-
-    def __post_init__(self):
-        if self.name not in DRAFTER_CONFIGS:
-            raise ValueError(f"drafter.name={self.name!r} is not one of {sorted(DRAFTER_CONFIGS)}")
-
-    def specific(self, num_feature_layers: int):
-        """The registered drafter's own config dataclass, built from the fields it has."""
-        cls = DRAFTER_CONFIGS[self.name]
-        names = {f.name for f in fields(cls)}
-        values = {k: v for k, v in vars(self).items() if k in names}
-        return cls(**values, num_feature_layers=num_feature_layers)
 
 
 @dataclass
@@ -66,7 +43,8 @@ class TrainConfig:
     export: bool = True  # write <output_dir>/drafter at the end
     resume: str | None = None  # shorthand for trainer.resume: `resume=latest` or a step folder
     data: PrepareConfig = field(default_factory=PrepareConfig)
-    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    # the `drafter` group: configs/drafter/<name>.yaml over its drafter's own schema (drafters.py)
+    drafter: DrafterConfig = MISSING
     loss: LossConfig = field(default_factory=LossConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
@@ -75,6 +53,15 @@ class TrainConfig:
     )
 
     def __post_init__(self):
+        if not isinstance(self.drafter, DrafterConfig):
+            raise ValueError(
+                f"drafter is not set: choose a drafter config (drafter=<name>), got {self.drafter!r}"
+            )
+        spec = train_spec(self.drafter.name)
+        if not isinstance(self.drafter, spec.config):
+            raise TypeError(
+                f"drafter {spec.name!r} takes a {spec.config.__name__}, got {type(self.drafter).__name__}"
+            )
         if self.resume is not None:
             self.trainer.resume = self.resume
         if self.trainer.eval_every > 0 and self.validation.fraction == 0:
@@ -83,15 +70,38 @@ class TrainConfig:
             raise ValueError(f"features={self.features!r} is not one of {FEATURE_MODES}")
         if self.features == "offline" and not self.data.features.enabled:
             raise ValueError("features=offline needs the data stage's cache: set data.features.enabled=true")
-        if self.drafter.name == "specblock" and list(self.loss.rank_buckets) != list(
-            self.drafter.rank_buckets
-        ):
-            raise ValueError(
-                f"loss.rank_buckets {list(self.loss.rank_buckets)} must equal drafter.rank_buckets "
-                f"{self.drafter.rank_buckets}: the rank head predicts those classes"
-            )
 
 
 def register_configs() -> None:
+    """base_train; every registered drafter's schema (base_<name>, group drafter) is stored when it is
+    registered (drafters.py)."""
     cs = ConfigStore.instance()
     cs.store(name="base_train", node=TrainConfig)
+
+
+def saved_run_config(run_dir: str | Path) -> DictConfig:
+    """A run's saved config.yaml read into today's schema (its drafter's included): keys the schema no
+    longer has are dropped, keys it gained take their defaults. Runs saved before each drafter had a
+    schema of its own hold every drafter's fields under `drafter` (the other drafters' meant nothing to
+    the run) and the rank classes under `loss.rank_buckets` too (a check kept them equal to the drafter's);
+    the cpu_full runs of session 5 are such runs."""
+    saved = OmegaConf.load(Path(run_dir) / "config.yaml")
+    schema = OmegaConf.structured(TrainConfig)
+    schema.drafter = OmegaConf.structured(train_spec(saved.drafter.name).config)
+    return OmegaConf.merge(schema, _known(saved, schema))
+
+
+def _known(saved: DictConfig, schema: DictConfig) -> dict:
+    """The keys of `saved` that `schema` has, recursively into typed nodes (dict-typed fields whole)."""
+    out = {}
+    for key, value in saved.items():
+        if key not in schema:
+            continue
+        node = schema[key]
+        known = (
+            isinstance(value, DictConfig)
+            and isinstance(node, DictConfig)
+            and OmegaConf.get_type(node) is not dict
+        )
+        out[key] = _known(value, node) if known else value
+    return out

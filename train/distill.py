@@ -1,7 +1,9 @@
 """The distillation strategies (`strategy.DrafterStrategy`): how one micro-batch becomes loss terms, per
-drafter type (trainer.fit has no branches).
+drafter type (trainer.fit has no branches; each drafter's spec in drafters.py names its strategy).
 
-Both strategies distill the frozen target into the drafter with `losses.specblock_loss`, whose terms
+`DistillStrategy` trains any drafter whose forward returns K slots per position (EAGLE-3 and drafters
+without extra training machinery use it as is); `SpecBlockStrategy` adds SpecBlock's multi-block
+training-time test and its Rank Head's classes. Both distill the frozen target into the drafter with `losses.specblock_loss`, whose terms
 (per-slot KL and Rank Head sums with their entry counts) they return for the trainer to normalise over
 the whole step (`strategy.py`: the accumulation contract). The target's
 features and logits come either online (a forward of the frozen target inside the step) or offline
@@ -25,9 +27,10 @@ from torch import Tensor, nn
 from specblock.data.target import TargetHead, concat_features
 
 from .batching import shifted_tokens, teacher_and_valid
-from .losses import LossConfig, at_least_fp32, normalised_loss, specblock_loss
+from .losses import LossConfig, normalised_loss, specblock_loss
 from .modeling import DrafterOutput, block_offsets
 from .strategy import COUNT_SUFFIX, SCALAR_PREFIX, SUM_SUFFIX, StepOutput
+from .teacher_law import at_least_fp32
 
 
 @dataclass
@@ -56,7 +59,10 @@ class DistillStrategy:
     """Distillation of the target into `module`; subclasses say how many blocks a step drafts.
 
     teacher: the frozen target (online features) or None (offline: batches carry `features` and
-    `last_hidden`, and `head` is the target's LM head, e.g. `TargetHead.of(target, copy=True)`)."""
+    `last_hidden`, and `head` is the target's LM head, e.g. `TargetHead.of(target, copy=True)`).
+    rank_buckets: the rank classes a drafter with a Rank Head predicts (None: it has none)."""
+
+    rank_buckets: tuple[int, ...] | None = None
 
     def __init__(
         self,
@@ -109,6 +115,7 @@ class DistillStrategy:
                 self.loss_cfg,
                 step,
                 epoch,
+                rank_buckets=self.rank_buckets,
             )
             sums.update({f"block{b}/{k}": v for k, v in res.terms.sums.items()})
             counts.update({f"block{b}/{k}": v for k, v in res.terms.counts.items()})
@@ -145,6 +152,10 @@ class DistillStrategy:
 
 
 class SpecBlockStrategy(DistillStrategy):
+    def __init__(self, module: nn.Module, *args, **kwargs):
+        super().__init__(module, *args, **kwargs)
+        self.rank_buckets = tuple(module.cfg.rank_buckets)  # the drafter's classes: set in one place
+
     def source_slots(self, step: int) -> list[int]:
         """Multi-block TTT: K-1 slot draws per later block, from `rank_start_step` on, seeded by step."""
         if self.cfg.num_ttt_blocks <= 1 or step < self.loss_cfg.rank_start_step:
@@ -158,10 +169,3 @@ class SpecBlockStrategy(DistillStrategy):
             return super().draft(features, tokens, attention, step)
         outputs = self.module(features, tokens, attention_mask=attention, source_slots=slots)
         return outputs, block_offsets(slots)[: len(outputs)]
-
-
-class Eagle3Strategy(DistillStrategy):
-    """EAGLE-3: the training-time test unroll lives in the module; one output with K = ttt_length steps."""
-
-
-STRATEGIES = {"specblock": SpecBlockStrategy, "eagle3": Eagle3Strategy}

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +32,9 @@ from specblock.data.logs import setup_logging
 from specblock.data.target import default_feature_layers, load_target_config
 
 from .checkpoint import read_model_state, resolve_resume
-from .config import TrainConfig, register_configs
-from .modeling import DRAFTER_CONFIGS, build_drafter
-from .serving import SERVING_EXPORTS, ServingExportError
+from .config import TrainConfig, saved_run_config
+from .drafters import build_drafter, train_spec
+from .serving import ServingExportError
 from .tracking import log0
 
 EXPORT_FORMAT = "specblock-drafter/1"
@@ -135,7 +135,7 @@ def load_drafter(folder: str | Path) -> tuple[torch.nn.Module, dict[str, Any]]:
     target_dict = dict(config["target"]["config"])
     target_config = AutoConfig.for_model(target_dict.pop("model_type"), **target_dict)
     state = load_file(str(folder / "model.safetensors"))
-    module = rebuild_drafter(name, DRAFTER_CONFIGS[name](**config["drafter"]), target_config, state)
+    module = rebuild_drafter(name, train_spec(name).config(**config["drafter"]), target_config, state)
     return module.eval(), config
 
 
@@ -157,7 +157,7 @@ def export_checkpoint(
 ) -> Path:
     """Export the drafter stored in a step folder (merged from ZeRO shards if need be) to `out`."""
     layers = cfg.data.target.feature_layers or default_feature_layers(target_config.num_hidden_layers)
-    drafter_cfg = cfg.drafter.specific(num_feature_layers=len(layers))
+    drafter_cfg = replace(cfg.drafter, num_feature_layers=len(layers))
     module = rebuild_drafter(cfg.drafter.name, drafter_cfg, target_config, read_model_state(step))
     path = export_drafter(
         module,
@@ -170,7 +170,7 @@ def export_checkpoint(
         feature_layers=layers,
         card=card,
     )
-    serve = SERVING_EXPORTS.get(cfg.drafter.name)  # beside it: <out>-vllm, <out>-speculators
+    serve = train_spec(cfg.drafter.name).serving_export  # beside it, e.g. <out>-vllm, <out>-speculators
     if serve is not None:
         try:
             verifier = cfg.data.target.name_or_path
@@ -186,10 +186,7 @@ def export_checkpoint(
 def export_from_checkpoint(run_dir: Path, step: str = "latest", out: str | None = None) -> Path:
     """Re-export a run's drafter from one of its checkpoints (python -m specblock.train.export). Reads
     only the run's config.yaml, the step folder and the target's config: no data stage, no weights."""
-    register_configs()
-    cfg: TrainConfig = OmegaConf.to_object(
-        OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.load(run_dir / "config.yaml"))
-    )
+    cfg: TrainConfig = OmegaConf.to_object(saved_run_config(run_dir))
     target_config = load_target_config(cfg.data.target)
     path = resolve_resume(step if step == "latest" else str(run_dir / step), cfg.trainer.output_dir)
     return export_checkpoint(cfg, path, out or run_dir / "drafter", target_config)

@@ -30,12 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-# Rank buckets of the reference: class 0 = rank 1, 1 = ranks 2-4, 2 = ranks 5-10, 3 = rank > 10 (give up).
-RANK_BUCKETS = (1, 4, 10)
-# Top-k kept at a slot predicted in class c (0 = stop the block there): the reference's default
-# `RANK_SLOT_TOPK` and its release "Pareto" preset `slim_r2` (docs/specblock.md 1.3).
-DEFAULT_TOPK_PER_CLASS = (2, 4, 10, 0)
-RELEASE_TOPK_PER_CLASS = (2, 4, 6, 4)
+from .rank_labels import RANK_BUCKETS, rank_classes, rank_of_target
+from .teacher_law import TeacherLaw, argmax_last, as_law, at_least_fp32, forward_kl
+
 CURRICULUM_UNITS = ("steps", "epochs")
 CURRICULUM_SHAPES = ("linear", "cosine", "step", "off")  # off: alpha = 0, the plain full loss (EAGLE-3)
 # Denominator floor of weighted means whose weights are all zero (the numerator is then 0 too).
@@ -78,7 +75,6 @@ class LossConfig:
     """Weights and switches of `specblock_loss`.
 
     slot_decay: slot k's distillation loss is weighted by slot_decay**k (0.8, like EAGLE-3).
-    rank_buckets: upper rank bound of each class but the last (C = len + 1).
     rank_budget: per-batch, per-slot class re-weighting w(c) = min(1, budget / count_c); <= 0 disables.
     rank_start_step: the rank loss counts from this optimizer step on (authors' default 2000, 0 in
         their release scripts).
@@ -87,7 +83,6 @@ class LossConfig:
 
     slot_decay: float = 0.8
     curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
-    rank_buckets: tuple[int, ...] = RANK_BUCKETS
     rank_budget: int = 10
     rank_start_step: int = 0
     rank_weight: float = 1.0
@@ -96,8 +91,6 @@ class LossConfig:
     def __post_init__(self) -> None:
         if self.slot_decay <= 0:
             raise ValueError(f"slot_decay must be > 0, got {self.slot_decay}")
-        self.rank_buckets = tuple(self.rank_buckets)  # OmegaConf.to_object hands over a list
-        _check_buckets(self.rank_buckets)
         if self.rank_weight < 0:
             raise ValueError(f"rank_weight must be >= 0, got {self.rank_weight}")
         if self.draft_topk is not None and self.draft_topk < 1:
@@ -120,11 +113,6 @@ class LossOutput:
     prefix_alpha: float
 
 
-def _check_buckets(buckets: tuple[int, ...]) -> None:
-    if not buckets or buckets[0] < 1 or any(a >= b for a, b in zip(buckets, buckets[1:])):
-        raise ValueError(f"rank buckets must be strictly increasing ranks >= 1, got {buckets}")
-
-
 def leading_run(ok: Tensor) -> Tensor:
     """[..., K] bool -> [..., K] bool: True at slot k iff ok[..., :k] are all True (slot 0: always)."""
     run = torch.cumprod(ok.long(), dim=-1)  # 1 while every slot so far, inclusive, is ok
@@ -137,93 +125,6 @@ def leading_run(ok: Tensor) -> Tensor:
 def slot_weights(K: int, decay: float = 0.8, device: torch.device | None = None) -> Tensor:
     """[K] float32: decay**k, the weight of slot k's distillation loss."""
     return decay ** torch.arange(K, dtype=torch.float32, device=device)
-
-
-class TeacherLaw(NamedTuple):
-    """The teacher's law as the losses read it, for entries [...]: probs [..., V] float32 (the softmax of
-    the teacher's logits over the draft vocabulary), neg_entropy [...] = sum_v p log p, argmax [...] long.
-    The trainer builds it once per target position and hands each block a strided view (`slot_grid`):
-    slot k at position t reads row t+1+k, so the K slots share rows instead of copying them K times."""
-
-    probs: Tensor
-    neg_entropy: Tensor
-    argmax: Tensor
-
-    @staticmethod
-    def from_logits(logits: Tensor) -> TeacherLaw:
-        """[..., V] teacher logits (rows of -inf, e.g. padding, give p = 0) -> the law per entry."""
-        logits = at_least_fp32(logits.detach())
-        probs = F.softmax(logits, dim=-1).nan_to_num(0.0)
-        return TeacherLaw(probs, torch.xlogy(probs, probs).sum(-1), argmax_last(logits))
-
-    def slot_grid(self, start: int, steps: int, K: int) -> TeacherLaw:
-        """Per-row law [B, R, ...] -> per-slot [B, steps, K, ...] with entry (t, k) = row start+t+k.
-        Views of the same storage (no copy); needs R >= start + steps + K - 1."""
-
-        def grid(x: Tensor) -> Tensor:  # [B,R,*] -> [B,steps,K,*]
-            return x[:, start : start + steps + K - 1].unfold(1, K, 1).movedim(-1, 2)
-
-        return TeacherLaw(grid(self.probs), grid(self.neg_entropy), grid(self.argmax))
-
-
-def argmax_last(x: Tensor) -> Tensor:
-    """x [..., V] -> [...] long, the first maximal index: `max(-1).indices`, which on CPU is ~4x faster
-    than `argmax(-1)` for bf16 inputs (same result, ties included)."""
-    return x.max(dim=-1).indices
-
-
-def at_least_fp32(x: Tensor) -> Tensor:
-    """bf16 / fp16 -> float32; float32 and float64 unchanged (float64 tests stay exact)."""
-    return x.float() if x.element_size() < 4 else x
-
-
-def as_law(teacher: Tensor | TeacherLaw) -> TeacherLaw:
-    """Teacher logits [..., V] or an already built law -> TeacherLaw."""
-    return teacher if isinstance(teacher, TeacherLaw) else TeacherLaw.from_logits(teacher)
-
-
-class _KLToSoftmax(torch.autograd.Function):
-    """KL(p || softmax(z)) = sum p log p - sum p z + logsumexp(z) per row (p sums to 1), 0 where invalid.
-    Backward: dKL/dz = softmax(z) - p. Nothing of size [..., V] is saved but the inputs themselves (z in
-    its own dtype, p usually a view shared between slots): a log-softmax would keep a float32 copy."""
-
-    @staticmethod
-    def forward(ctx, z: Tensor, p: Tensor, neg_entropy: Tensor, valid: Tensor) -> Tensor:
-        z32 = at_least_fp32(z)
-        lse = torch.logsumexp(z32, dim=-1)  # [...]
-        kl = torch.where(valid, neg_entropy - (p * z32).sum(-1) + lse, 0.0)
-        ctx.save_for_backward(z, p, lse, valid)
-        return kl
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        z, p, lse, valid = ctx.saved_tensors
-        g = torch.where(valid, grad, 0.0).unsqueeze(-1)
-        dz = (torch.exp(at_least_fp32(z) - lse.unsqueeze(-1)) - p).mul_(g)
-        return dz.to(z.dtype), None, None, None
-
-
-def forward_kl(
-    draft_logits: Tensor, teacher: Tensor | TeacherLaw, valid: Tensor, topk: int | None = None
-) -> Tensor:
-    """Per-entry forward KL(teacher || draft) over the draft vocabulary, float32.
-
-    draft_logits [B,S,K,V] (any float dtype); teacher: logits [B,S,K,V] or a TeacherLaw of that shape;
-    valid [B,S,K] bool -> kl [B,S,K], 0 and no gradient where invalid (teacher rows there may hold
-    anything, even -inf padding). The teacher is a constant.
-    topk: sum only over the teacher's top-k tokens with their full-vocabulary probabilities, not
-    renormalised (as the authors' `--draft-loss-topk`: a position weighs by the mass of its top-k);
-    the minimiser is the same as with renormalised probabilities. This restricted sum can be < 0.
-    """
-    law = as_law(teacher)
-    if topk is None:
-        return _KLToSoftmax.apply(draft_logits, law.probs, law.neg_entropy, valid)
-    log_q = F.log_softmax(at_least_fp32(draft_logits), dim=-1)  # [B,S,K,V]
-    with torch.no_grad():
-        p, idx = law.probs.topk(topk, dim=-1)  # [B,S,K,topk]
-        p = p.masked_fill(~valid.unsqueeze(-1), 0.0)
-        neg_entropy = torch.xlogy(p, p).sum(-1)
-    return neg_entropy - (p * log_q.gather(-1, idx)).sum(-1)
 
 
 FULL, PREFIX, RANK = "full", "prefix", "rank"  # the loss terms (`LossTerms` keys)
@@ -307,56 +208,6 @@ def prefix_weight(cfg: CurriculumConfig, step: int, epoch: float) -> float:
         return 0.0
     frac = (t - cfg.start) / (cfg.end - cfg.start)
     return frac if cfg.shape == "linear" else 0.5 * (1.0 - math.cos(math.pi * frac))
-
-
-# ---------------------------------------------------------------- rank labels
-
-
-@torch.no_grad()
-def rank_of_token(draft_logits: Tensor, token: Tensor) -> Tensor:
-    """draft_logits [..., V], token [...] long -> [...] long: 1-based rank of `token` in the draft logits,
-    1 + the number of tokens with a strictly higher draft logit (ties rank optimistically)."""
-    return 1 + (draft_logits > draft_logits.gather(-1, token[..., None])).sum(-1)
-
-
-@torch.no_grad()
-def rank_of_target(draft_logits: Tensor, teacher: Tensor | TeacherLaw) -> Tensor:
-    """draft logits [B,S,K,V], teacher logits [B,S,K,V] or law -> [B,S,K] long: 1-based rank of the
-    teacher's argmax token in the draft logits."""
-    return rank_of_token(draft_logits, as_law(teacher).argmax)
-
-
-def rank_classes(ranks: Tensor, buckets: tuple[int, ...] = RANK_BUCKETS) -> Tensor:
-    """ranks [...] long -> class ids [...] long: class i holds buckets[i-1] < r <= buckets[i]; the last
-    class (len(buckets)) holds r > buckets[-1]. Default: 0: r=1, 1: r<=4, 2: r<=10, 3: r>10."""
-    _check_buckets(buckets)
-    return torch.bucketize(ranks, torch.tensor(buckets, device=ranks.device), right=False)
-
-
-def branching_for_class(classes: Tensor, topk_per_class: tuple[int, ...] = DEFAULT_TOPK_PER_CLASS) -> Tensor:
-    """Predicted classes [...] long -> per-position top-k branching [...] long (0 = stop the block)."""
-    return torch.tensor(topk_per_class, dtype=torch.long, device=classes.device)[classes]
-
-
-@torch.no_grad()
-def rank_confusion(pred: Tensor, classes: Tensor, valid: Tensor, num_classes: int) -> Tensor:
-    """pred, classes [...] long (predicted and true rank classes), valid [...] bool -> counts [C, C]
-    float64 with counts[true, predicted] over the valid entries."""
-    idx = (classes[valid] * num_classes + pred[valid]).long()
-    return torch.bincount(idx, minlength=num_classes**2).double().view(num_classes, num_classes)
-
-
-@torch.no_grad()
-def branch_coverage(
-    ranks: Tensor, pred: Tensor, valid: Tensor, topk_per_class: tuple[int, ...]
-) -> tuple[float, float]:
-    """How a tree that keeps topk_per_class[c] candidates at a slot predicted in class c would do:
-    ranks [...] long (1-based rank of the target token in the draft law), pred [...] long, valid [...] bool
-    -> (share of valid slots whose target token is among the kept candidates, mean candidates kept)."""
-    width = branching_for_class(pred, tuple(topk_per_class))[valid]
-    covered = (ranks[valid] <= width).double()
-    n = max(int(valid.sum()), 1)
-    return float(covered.sum()) / n, float(width.double().sum()) / n
 
 
 # ---------------------------------------------------------------- rank loss
@@ -470,7 +321,11 @@ def draft_metrics(correct: Tensor, valid: Tensor, kl: Tensor, prefix: Tensor) ->
 
 
 def _check_shapes(
-    draft_logits: Tensor, teacher: TeacherLaw, valid: Tensor, rank_logits: Tensor | None, n_classes: int
+    draft_logits: Tensor,
+    teacher: TeacherLaw,
+    valid: Tensor,
+    rank_logits: Tensor | None,
+    rank_buckets: tuple[int, ...] | None,
 ) -> None:
     if draft_logits.dim() != 4 or teacher.probs.shape != draft_logits.shape:
         raise ValueError(
@@ -482,7 +337,12 @@ def _check_shapes(
             f"valid must be bool [B,S,K]={tuple(draft_logits.shape[:-1])}, got "
             f"{valid.dtype} {tuple(valid.shape)}"
         )
-    if rank_logits is not None and rank_logits.shape != (*valid.shape, n_classes):
+    if rank_logits is None:
+        return
+    if rank_buckets is None:
+        raise ValueError("rank logits need the rank classes they predict (rank_buckets)")
+    n_classes = len(rank_buckets) + 1
+    if rank_logits.shape != (*valid.shape, n_classes):
         raise ValueError(
             f"rank logits must be [B,S,K,{n_classes}] (len(rank_buckets)+1), got {tuple(rank_logits.shape)}"
         )
@@ -496,19 +356,19 @@ def specblock_loss(
     cfg: LossConfig,
     step: int,
     epoch: float = 0.0,
+    rank_buckets: tuple[int, ...] | None = RANK_BUCKETS,
 ) -> LossOutput:
     """The SpecBlock training loss (docs/specblock.md 1.5); rank_logits None = EAGLE-3 style (no rank head).
 
     draft_logits [B,S,K,V]; teacher: logits [B,S,K,V] or TeacherLaw; valid [B,S,K] bool; rank_logits
-    [B,S,K,C] or None.
+    [B,S,K,C] or None, C = len(rank_buckets) + 1 (the drafter's rank classes).
     loss = sum_k decay^k L_draft,k + rank_weight * 1[step >= rank_start_step] * L_rank, with L_draft,k
     = (1-alpha) * mean KL of slot k over valid entries + alpha * over its valid-prefix entries.
     Before rank_start_step the rank term is multiplied by 0 rather than dropped, so the rank head
     still gets (zero) gradients (DDP needs every parameter).
     """
-    n_classes = len(cfg.rank_buckets) + 1
     teacher = as_law(teacher)
-    _check_shapes(draft_logits, teacher, valid, rank_logits, n_classes)
+    _check_shapes(draft_logits, teacher, valid, rank_logits, rank_buckets)
     # Valid-prefix mask and curriculum alpha (no gradient).
     correct = top1_correct(draft_logits, teacher, valid)  # [B,S,K]
     prefix = valid & leading_run(correct)
@@ -519,7 +379,7 @@ def specblock_loss(
     metrics = draft_metrics(correct, valid, kl, prefix)
     rank = torch.zeros((), device=kl.device)
     if rank_logits is not None:
-        classes = rank_classes(rank_of_target(draft_logits, teacher), cfg.rank_buckets)
+        classes = rank_classes(rank_of_target(draft_logits, teacher), rank_buckets)
         rank_sums, rank_counts, rank_metrics = rank_terms(rank_logits, classes, valid)
         rank = normalised_loss({RANK: rank_sums.detach()}, {RANK: rank_counts}, cfg.rank_budget)
         gate = cfg.rank_weight * rank_loss_weight(step, cfg.rank_start_step)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -22,9 +22,9 @@ from specblock.data.target import TargetHead, default_feature_layers, load_targe
 from .batching import collate
 from .checkpoint import list_checkpoints, step_dir
 from .config import TrainConfig
-from .distill import STRATEGIES
+from .drafters import build_drafter, train_spec
 from .export import export_checkpoint
-from .modeling import build_drafter, build_vocab_map, count_tokens
+from .modeling import build_vocab_map, count_tokens
 from .strategy import DrafterStrategy
 from .tracking import is_main, log0
 from .trainer import fit
@@ -71,7 +71,7 @@ def build(cfg: TrainConfig) -> Built:
     train_idx, val_idx = split_indices(len(rows), val.fraction, val.max_rows, val.seed)
     rows, held_out = Subset(rows, train_idx), (Subset(rows, val_idx) if val_idx else None)
     d2t = draft_vocab(rows, target.config.vocab_size, cfg.drafter.draft_vocab_size)
-    drafter_cfg = cfg.drafter.specific(num_feature_layers=len(layers))
+    drafter_cfg = replace(cfg.drafter, num_feature_layers=len(layers))
     torch.manual_seed(cfg.trainer.seed)  # the drafter's initial weights depend on the seed alone
     module = build_drafter(
         cfg.drafter.name,
@@ -83,7 +83,7 @@ def build(cfg: TrainConfig) -> Built:
     )
     head = TargetHead.of(target, copy=True) if cfg.features == "offline" else None
     teacher = target if cfg.features == "online" else None
-    strategy = STRATEGIES[cfg.drafter.name](module, teacher, layers, cfg.loss, cfg.strategy, head)
+    strategy = train_spec(cfg.drafter.name).strategy(module, teacher, layers, cfg.loss, cfg.strategy, head)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return Built(strategy, rows, held_out, functools.partial(collate, pad_id=pad_id), target.config)
 

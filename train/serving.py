@@ -244,8 +244,3 @@ def export_for_engines(
             engine_state(module, "layers.0.", feature_layers),
         ),
     ]
-
-
-# Drafters with an engine counterpart -> their exporter. SpecBlock has none: its folder is the
-# project's own format only (README: "The SpecBlock drafter folder").
-SERVING_EXPORTS = {"eagle3": export_for_engines}

@@ -42,7 +42,7 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 
 FORWARD_GRID = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 C_MIN, C_MAX = 0.05, 2.0
@@ -79,9 +79,16 @@ def measure_forward_curve(
     return ForwardCurve(list(grid), ms)
 
 
+class Choice(NamedTuple):
+    """A budget (or chain length) and the tokens per ms the model expects at it."""
+
+    size: int
+    rate: float
+
+
 def choose_budget(
     confidences: list[float], forward: Callable[[int], float], fixed_ms: float, c: float = 1.0
-) -> tuple[int, float]:
+) -> Choice:
     """The budget B (1 <= B <= len(confidences)) maximising (1 + c * sum_{i<=B} a_i) / (fixed_ms +
     forward(B + 1)); confidences a_i in the pruning order (best first). Returns (B, expected tokens per
     ms at B)."""
@@ -91,7 +98,7 @@ def choose_budget(
         rate = gain / (fixed_ms + forward(b + 1))
         if rate > best_rate:
             best, best_rate = b, rate
-    return best, best_rate
+    return Choice(best, best_rate)
 
 
 @dataclass
@@ -122,7 +129,7 @@ class AutoBudget:
         confidences = sorted((math.exp(s) for s in scores), reverse=True)
         if not confidences:
             return 0
-        b, _ = choose_budget(confidences, self.curve, self.fixed_ms, self.c)
+        b = choose_budget(confidences, self.curve, self.fixed_ms, self.c).size
         self.chosen.append(b)
         return b
 
@@ -135,9 +142,9 @@ class AutoBudget:
         node's so far): whether children as likely as their parents (optimistic: a_child <= a_parent) could
         raise the best modelled rate once that round's drafting (`round_ms`) is paid."""
         conf = sorted((math.exp(s) for s in scores), reverse=True)
-        now = choose_budget(conf, self.curve, self.fixed_ms, self.c)[1] if conf else 0.0
+        now = choose_budget(conf, self.curve, self.fixed_ms, self.c).rate if conf else 0.0
         hoped = sorted(conf + [math.exp(s) for s in frontier], reverse=True)
-        return choose_budget(hoped, self.curve, self.fixed_ms + self.round_ms, self.c)[1] > now
+        return choose_budget(hoped, self.curve, self.fixed_ms + self.round_ms, self.c).rate > now
 
     def observe_rounds(self, rounds: int, seconds: float) -> None:
         self.rounds += rounds
@@ -160,7 +167,7 @@ class AutoBudget:
     def choose_length(self, confidences: list[float]) -> int:
         """Chains: the best length among the drafted tokens (their drafting is paid)."""
         fixed = self.fixed_ms + len(confidences) * self.draft_ms
-        b, _ = choose_budget(confidences, self.curve, fixed, self.c)
+        b = choose_budget(confidences, self.curve, fixed, self.c).size
         self.chosen.append(b)
         return b
 

@@ -13,52 +13,34 @@ One iteration (batch 1, as speculative-decoding benchmarks measure):
    target cache keeps the committed part plus the root and the accepted nodes (prefix reuse);
 4. the drafter appends the newly verified positions in ONE forward, which also drafts the next root.
 
-Temperature and top-p shape the target law and the draft law identically (laws.py). Cross-iteration
-verifiers (greedy_block, spectr_gbv) return a continuation; while it is in force (until its block's
-horizon has been emitted) the next iterations verify against it instead of the plain target. Computing
-it needs the older iteration's target law along the new prefix (its rows, or the new forward's rows)
-and its DRAFT law along the new prefix: for SpecBlock within a block that is free (slot laws), beyond
-it and for EAGLE-3 it costs drafter calls from the old root's cache, counted as drafting cost.
-
-Timings (IterationStats, Generation) split each iteration's wall time into drafting, the target forward,
-verification and the rest (the overhead: bookkeeping, cache gathers, the drafter's bookkeeping); the
+Temperature and top-p shape the target law and the draft law identically (temperature.py). The target
+side is target.py, the drafter's drafting.py and drafters.py; the laws a cross-iteration verifier's
+continuation puts in force are continuations.py's. Timings (IterationStats, Generation) split each
+iteration's wall time into drafting, the target forward, verification and the rest (the overhead); the
 prefill phase (prompt forward, first token, the drafter's first advance) is kept apart.
 """
 
 from __future__ import annotations
 
-import inspect
 import math
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
-from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from specblock.data.target import FeatureTarget
 from specblock.evaluate.decoding.budget import FORWARD_GRID, AutoBudget, measure_forward_curve
-from specblock.evaluate.decoding.drafting import (
-    AUTO,
-    DraftTree,
-    Prefix,
-    Root,
-    TreeConfig,
-    drafts_tree,
-    greedy_draft,
-    make_session,
-    sample_drafts,
-)
+from specblock.evaluate.decoding.continuations import LawBook
+from specblock.evaluate.decoding.drafters import make_session
+from specblock.evaluate.decoding.drafting import Prefix, Root, greedy_draft, sample_drafts
 from specblock.evaluate.decoding.lookup import LookupConfig, LookupSession
+from specblock.evaluate.decoding.target import TargetSession
+from specblock.evaluate.decoding.trees import AUTO, DraftTree, TreeConfig, drafts_tree
 from specblock.evaluate.decoding.temperature import GREEDY, next_token_law
-from specblock.evaluate.verify import (
-    CROSS_ITERATION,
-    SINGLE_DRAFT,
-    VERIFIERS,
-    TokenTree,
-    get_verifier,
-    verify_tree,
-)
+from specblock.evaluate.verify import CROSS_ITERATION, SINGLE_DRAFT, VERIFIERS, TokenTree, get_verifier
+from specblock.evaluate.verify import greedy_path, verify_tree
 from specblock.evaluate.verify.randomness import Sampler, TorchSampler
 
 MODES = ("chain", "iid", "tree", "lookup", "autoregressive")
@@ -148,189 +130,34 @@ class Generation:
     prefill_target_seconds: float = 0.0
 
 
-# ---------------------------------------------------------------- the target with a KV cache
+class Draft(NamedTuple):
+    """One iteration's draft. tree: what the target verifies. For chain, iid and lookup also tokens [K, L]
+    (target ids), their draft laws probs [K, L, V] float32 (None where nothing reads them: temperature 0,
+    lookup at temperature 0) and nodes[k][i] = the tree node of draft k's first i tokens; a dynamic tree
+    has none of the three."""
+
+    tree: DraftTree
+    tokens: Tensor | None = None
+    probs: Tensor | None = None
+    nodes: list[list[int]] | None = None
 
 
-class TargetSession:
-    """A frozen causal LM with a DynamicCache, fed with tree attention (batch 1)."""
+class Verified(NamedTuple):
+    """The verifier's answer: accepted tree nodes (root excluded, in order), the token after them, and
+    the continuation it puts in force (None: the next iteration verifies against the plain target)."""
 
-    def __init__(self, target: FeatureTarget):
-        self.target = target
-        params = inspect.signature(target.model.base_model.forward).parameters
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"  # transformers renamed it
-        self.cache: DynamicCache | None = None
-        self.calls, self.seconds = 0, 0.0  # forwards since reset() and their wall seconds
-
-    def reset(self) -> None:
-        self.cache, self.calls, self.seconds = DynamicCache(), 0, 0.0
-
-    def __len__(self) -> int:
-        return self.cache.get_seq_length() if self.cache is not None else 0
-
-    @torch.no_grad()
-    def forward(
-        self, tokens: list[int], parents: list[int] | None = None, last_logits_only: bool = False
-    ) -> tuple[Tensor, Tensor]:
-        """Feed `tokens` after the cache. parents None: a causal chain; else a tree, parents[n] < n (or -1:
-        child of the cache's last token). Returns features [n, F*H] and logits [n, V] float32, or [1, V]
-        for the last token only with last_logits_only (a prefill that only samples the next token need
-        not pay the LM head's n x H x V multiply-adds over the whole prompt)."""
-        n, past = len(tokens), len(self)
-        dev = self.target.device
-        if parents is None:
-            depth = list(range(n))
-            own = torch.ones(n, n, dtype=torch.bool).tril()
-        else:
-            depth, own = [0] * n, torch.zeros(n, n, dtype=torch.bool)
-            for i, p in enumerate(parents):
-                if p >= 0:
-                    depth[i] = depth[p] + 1
-                    own[i] = own[p]
-                own[i, i] = True
-        mask = torch.cat([torch.ones(n, past, dtype=torch.bool), own], dim=1)[None, None].to(dev)
-        pos = (torch.tensor(depth) + past)[None].to(dev)
-        start = time.perf_counter()
-        out = self.target.model.base_model(
-            input_ids=torch.tensor([tokens], device=dev),
-            attention_mask=mask,
-            position_ids=pos,
-            use_cache=True,
-            output_hidden_states=True,
-            **{self._cache_kw: self.cache},
-        )
-        self.calls += 1
-        res = self.target.outputs(out, with_logits=not last_logits_only)
-        last = res.last_hidden[0, -1:]  # [1, H]
-        logits = self.target.logits_from_hidden(last) if last_logits_only else res.logits[0]
-        if logits.is_cuda:  # the loop reads the logits right away: time the kernels, not the launch
-            torch.cuda.synchronize(logits.device)
-        self.seconds += time.perf_counter() - start
-        return res.features[0], logits
-
-    def probe(self, n: int) -> float:
-        """Seconds of one forward over n tokens (a chain) after the cache, which is then restored: the
-        auto tree budget's measurement of the forward-time curve (budget.py). Counts no call."""
-        committed, calls, seconds = len(self), self.calls, self.seconds
-        self.forward([0] * n)
-        spent = self.seconds - seconds
-        self.keep(committed, [])
-        self.calls, self.seconds = calls, seconds
-        return spent
-
-    def keep(self, committed: int, kept: list[int]) -> None:
-        """After a forward: keep the first `committed` cache entries and, of the entries fed after them,
-        those at offsets `kept` (in order). Only plain (non-sliding) dynamic layers can be gathered."""
-        index = torch.tensor(list(range(committed)) + [committed + i for i in kept])
-        for layer in self.cache.layers:
-            if type(layer) is not DynamicLayer:
-                raise NotImplementedError(f"cannot gather a {type(layer).__name__} cache (sliding window?)")
-            index = index.to(layer.keys.device)
-            layer.keys, layer.values = layer.keys[..., index, :], layer.values[..., index, :]
+    path: list[int]
+    next_token: int
+    continuation: object = None
 
 
-# ---------------------------------------------------------------- laws across iterations
+class Step(NamedTuple):
+    """What one iteration returns to the loop: its statistics, the tokens it emitted and the next root
+    (None after the last iteration)."""
 
-
-class Level:
-    """The law one iteration's continuation puts in force: for generated tokens g shorter than `horizon`,
-    law(g) = cont(g relative to `start`, prev's law, this iteration's draft law); past it, the plain
-    target (horizons grow with every iteration, so no older continuation applies there either)."""
-
-    def __init__(self, book: LawBook, start: int, horizon: int, cont, root: Root, prev: Level | None):
-        self.book, self.start, self.horizon = book, start, horizon
-        self.cont, self.root, self.prev = cont, root, prev
-        self.memo: dict[Prefix, Tensor] = {}
-        self.lookups = None  # (target_at, draft_at) relative to the block start, made once per level
-
-    def law(self, g: Prefix) -> Tensor:
-        if len(g) >= self.horizon:
-            return self.book.plain[g]
-        if g not in self.memo:
-            if self.cont is None:
-                raise RuntimeError(f"frozen continuation asked for an uncommitted prefix of length {len(g)}")
-            self.memo[g] = self.cont(g[self.start :], *self._lookups(g[: self.start]))
-        return self.memo[g]
-
-    def _lookups(self, base: Prefix) -> tuple:
-        """(target_at, draft_at) relative to the block start `base`, made once: every prefix asked
-        extends the same block start."""
-        if self.lookups is None:
-            prev, root = self.prev, self.root
-            target_at = (
-                (lambda y: prev.law(base + tuple(y)))
-                if prev
-                else (lambda y: self.book.plain[base + tuple(y)])
-            )
-            self.lookups = (target_at, lambda y: root.law(tuple(y)))
-        return self.lookups
-
-    def prefetch(self, queries: set[Prefix]) -> None:
-        """Before `law` is asked for `queries` (absolute prefixes of generated tokens, closed under taking
-        prefixes): compute the draft laws it will read in batched drafter calls (one per depth) instead of
-        one call per prefix as the coupling asks for them. (Batching the coupling's residual masses too,
-        one pass over [rows, V] per stage, measured no faster: ~32 us of arithmetic per row at V = 49k
-        dominates either way.)"""
-        if self.cont is None:
-            return
-        reads = getattr(self.cont, "reads_draft", lambda y: True)
-        asked = [g for g in queries if self.start <= len(g) < self.horizon and g not in self.memo]
-        ys = sorted({g[self.start :] for g in asked if reads(g[self.start :])}, key=len)
-        if ys:
-            self.root.prefetch(ys)
-
-    def freeze(self, out: Prefix) -> None:
-        """Once the emitted tokens reach the horizon, the next level can only ask about committed
-        prefixes, all memoised by then: keep those, drop the drafter state and the chain behind."""
-        self.memo = {g: v for g, v in self.memo.items() if out[: len(g)] == g}
-        self.cont = self.root = self.prev = self.lookups = None
-
-
-class LawBook:
-    """Target laws by prefix of the generated tokens g, and the law each iteration verifies against:
-    `plain[g]` is the target's (tempered) law after g, for every node a forward saw; while continuations
-    are in force, `law(g)` reads the newest `Level`."""
-
-    def __init__(self):
-        self.plain: dict[Prefix, Tensor] = {}
-        self.levels: list[Level] = []  # in force, oldest first
-
-    def law(self, g: Prefix) -> Tensor:
-        return self.levels[-1].law(g) if self.levels else self.plain[g]
-
-    def prefetch(self, queries: list[Prefix]) -> None:
-        """Before `law` is asked for `queries`: every live level computes the draft laws it will read for
-        them and their prefixes in batched drafter calls (EAGLE-3 beyond the old drafts, SpecBlock beyond
-        its first block)."""
-        if not self.levels:
-            return
-        low = min(lv.start for lv in self.levels)
-        closed = {g[:m] for g in queries for m in range(low, len(g) + 1)}
-        for lv in self.levels:
-            lv.prefetch(closed)
-
-    def add_rows(self, base: Prefix, tree: DraftTree, laws: Tensor) -> None:
-        """laws [N, V]: the target's (tempered) law at each node of a tree drafted after `base`."""
-        for n in range(len(tree)):
-            self.plain[base + tree.path_tokens(n)] = laws[n]
-
-    def carry(self, base: Prefix, horizon: int, cont, root: Root, out: Prefix) -> None:
-        """After the iteration that started at `base` emitted up to `out`: put its continuation in force,
-        or drop every level once `out` reaches its horizon (the target alone takes over)."""
-        if cont is None or len(out) >= len(base) + horizon:
-            self.levels = []
-        else:
-            prev = self.levels[-1] if self.levels else None
-            self.levels.append(Level(self, len(base), len(base) + horizon, cont, root, prev))
-        for lv in self.levels[:-1]:
-            if lv.cont is not None and len(out) >= lv.horizon:
-                lv.freeze(out)
-        live = [lv.start for lv in self.levels if lv.cont is not None]
-        keep = min(live) if live else len(out)
-        self.plain = {
-            g: v
-            for g, v in self.plain.items()
-            if len(g) >= keep and out[: min(len(g), len(out))] == g[: len(out)]
-        }
+    stats: IterationStats
+    emitted: list[int]
+    root: Root | None
 
 
 # ---------------------------------------------------------------- the loop
@@ -407,7 +234,7 @@ class SpeculativeDecoder:
             self.auto.curve = measure_forward_curve(self.target.probe, tuple(sorted(set(grid))))
             self.calibration_seconds = time.perf_counter() - t
             start += self.calibration_seconds
-        prefill_draft = self.drafter.cost.take()  # (calls, seconds): reported with the prefill
+        prefill_draft = self.drafter.cost.take()  # reported with the prefill
         prefill_seconds, prefill_target = time.perf_counter() - start, self.target.seconds
         book, iterations = LawBook(), []
         while len(out) < self.cfg.max_new_tokens and out[-1] not in self.eos:
@@ -429,33 +256,31 @@ class SpeculativeDecoder:
                 self.auto.observe(self._scores, stats.accepted, fixed)
         result = Generation(
             out, iterations, self.target.calls, 1, time.perf_counter() - start, prefill_seconds,
-            self.target.seconds - prefill_target, *prefill_draft, prefill_target,
+            self.target.seconds - prefill_target, prefill_draft.calls, prefill_draft.seconds, prefill_target,
         )  # fmt: skip
         if self.adapter is not None:
             self.adapter.observe_request(len(out), result.target_calls, result.seconds)
         return result
 
-    def _draft(self, root: Root | None, gen: Sampler, context: list[int]):
-        """-> (tree, drafts [K,L] or None, draft_probs [K,L,V] or None (also for lookup at temperature 0,
-        where nothing reads them), node[k][i]). context: the prompt and the tokens generated so far."""
+    def _draft(self, root: Root | None, gen: Sampler, context: list[int]) -> Draft:
+        """This iteration's draft from `root`; context: the prompt and the tokens generated so far."""
         cfg = self.cfg
         if cfg.mode == "tree":
             if self.auto is None:
-                return root.session.tree(root, cfg.tree), None, None, None
+                return Draft(root.session.tree(root, cfg.tree))
             calls, seconds = self.drafter.cost.calls, self.drafter.cost.seconds
             tree = root.session.tree(root, cfg.tree, self.auto.more_rounds)
             self._variable_seconds = self.drafter.cost.seconds - seconds  # modelled per round
             self.auto.observe_rounds(self.drafter.cost.calls - calls, self._variable_seconds)
-            tree = tree.pruned(self.auto.choose(tree.score[1:]))[0]
+            tree = tree.pruned(self.auto.choose(tree.score[1:])).tree
             self._scores = tree.score[1:]
-            return tree, None, None, None
+            return Draft(tree)
         if cfg.mode == "lookup":
             draft = self.drafter.draft(context)
             tokens = torch.tensor([draft], dtype=torch.int64).view(1, len(draft))  # [1, L'], L' <= L, maybe 0
-            tree, nodes = drafts_tree(tokens.tolist())
             # the point-mass draft law: one-hot rows [1, L', V] (verify/chain.py: accept w.p. q(x))
             probs = None if self.greedy else point_mass(tokens, self.target.target.vocab_size)
-            return tree, tokens, probs, nodes
+            return chain_draft(tokens, probs)
         if cfg.auto_length:
             return self._auto_chain(root, gen)
         k = cfg.num_drafts
@@ -463,10 +288,9 @@ class SpeculativeDecoder:
             tokens, probs = greedy_draft(root, cfg.draft_length).expand(k, -1), None
         else:
             tokens, probs = sample_drafts(root, k, cfg.draft_length, gen)
-        tree, nodes = drafts_tree(tokens.tolist())
-        return tree, tokens, probs, nodes
+        return chain_draft(tokens, probs)
 
-    def _auto_chain(self, root: Root, gen: Sampler):
+    def _auto_chain(self, root: Root, gen: Sampler) -> Draft:
         """draft_length=auto (budget.py): draft token by token while one more could raise the modelled
         rate. At temperature 0 the chain is then cut to its best length; at temperature > 0 it is not, as
         cutting after seeing a token would make keeping it depend on its value (and its verification
@@ -494,58 +318,66 @@ class SpeculativeDecoder:
             n = len(y)
             self.auto.chosen.append(n)
         self._scores = [math.log(max(a, 1e-300)) for a in confidences[:n]]
-        tokens = torch.tensor([y[:n]], dtype=torch.int64)
         probs = torch.stack(rows[:n])[None] if rows else None
-        tree, nodes = drafts_tree(tokens.tolist())
-        return tree, tokens, probs, nodes
+        return chain_draft(torch.tensor([y[:n]], dtype=torch.int64), probs)
 
-    def _iteration(self, prompt: list[int], out: list[int], root: Root, book: LawBook, gen: Sampler):
+    def _iteration(self, prompt: list[int], out: list[int], root: Root, book: LawBook, gen: Sampler) -> Step:
         base = tuple(out)  # generated so far; the root token is out[-1]
         committed = len(prompt) + len(out) - 1  # target cache entries before the root
-        tree, tokens, draft_probs, nodes = self._draft(root, gen, [*prompt, *out])
+        draft = self._draft(root, gen, [*prompt, *out])
+        tree = draft.tree
         target_before = self.target.seconds
         features, logits = self.target.forward([out[-1], *tree.tokens[1:]], [-1, *tree.parents[1:]])
         target_seconds = self.target.seconds - target_before
         t0, drafted_before = time.perf_counter(), self.drafter.cost.seconds
-        if self.greedy:  # every scheme: follow the target's argmax (no [V] law is formed)
-            (path, nxt), cont = greedy_path(tree, logits), None
-        elif tokens is None:  # a dynamic tree, target-only rule
-            laws = next_token_law(logits, self.cfg.temperature, self.cfg.top_p)  # [N, V] float32 per node
-            res = verify_tree(_as_token_tree(tree), laws, mode="deterministic", sampler=gen)
-            path, nxt, cont = res.path, res.next_token, None
-        else:
-            laws = next_token_law(logits, self.cfg.temperature, self.cfg.top_p)  # [N, V] float32 per node
-            book.add_rows(base, tree, laws)
-            L = tokens.shape[1]
-            prefixes = [[base + tuple(row[:i]) for i in range(L + 1)] for row in tokens.tolist()]
-            book.prefetch([g for row in prefixes for g in row])
-            target_probs = torch.stack([torch.stack([book.law(g) for g in row]) for row in prefixes])
-            res = self.verifier(target_probs, draft_probs, tokens, sampler=gen)
-            path, nxt, cont = (
-                nodes[res.draft_index][1 : res.num_accepted + 1],
-                res.next_token,
-                res.continuation,
-            )
+        verified = self._verify(draft, logits, base, book, gen)
         # drafter calls made for a continuation's draft laws count as drafting, not verification
         verify_seconds = time.perf_counter() - t0 - (self.drafter.cost.seconds - drafted_before)
-        accepted = len(path)
-        emitted = [tree.tokens[n] for n in path] + [nxt]
+        path = verified.path
+        emitted = [tree.tokens[n] for n in path] + [verified.next_token]
         self.target.keep(committed, [0, *path])
         if self.cross:
-            book.carry(base, self.cfg.draft_length, cont, root, base + tuple(emitted))
+            book.carry(base, self.cfg.draft_length, verified.continuation, root, base + tuple(emitted))
         else:
             book.plain.clear()
         # the verified positions: the root and the accepted nodes, each with the token after it
-        verified, after = features[[0, *path]], torch.tensor(emitted)
+        positions, after = features[[0, *path]], torch.tensor(emitted)
         if self.adapter is not None:  # the feedback verification gives for free
-            self.adapter.collect(verified, after, logits[[0, *path]])
+            self.adapter.collect(positions, after, logits[[0, *path]])
         # the drafter appends them, not after the last iteration (nothing would read it)
         done = len(out) + len(emitted) >= self.cfg.max_new_tokens or bool(self.eos & set(emitted))
-        new_root = None if done else self.drafter.advance(verified, after, committed)
-        calls, seconds = self.drafter.cost.take()
-        depth = max(tree.depth) if tokens is None else tokens.shape[1]
-        stats = IterationStats(accepted, len(emitted), depth, calls, seconds, verify_seconds, target_seconds)
-        return stats, emitted, new_root
+        new_root = None if done else self.drafter.advance(positions, after, committed)
+        drafted = self.drafter.cost.take()
+        depth = max(tree.depth) if draft.tokens is None else draft.tokens.shape[1]
+        stats = IterationStats(
+            len(path), len(emitted), depth, drafted.calls, drafted.seconds, verify_seconds, target_seconds
+        )
+        return Step(stats, emitted, new_root)
+
+    def _verify(self, draft: Draft, logits: Tensor, base: Prefix, book: LawBook, gen: Sampler) -> Verified:
+        """The verifier's answer on the target's logits [N, V] at every node of the draft tree; `base`: the
+        tokens generated before this iteration's root."""
+        if self.greedy:  # every scheme: follow the target's argmax (no [V] law is formed)
+            return Verified(*greedy_path(draft.tree, logits))
+        laws = next_token_law(logits, self.cfg.temperature, self.cfg.top_p)  # [N, V] float32 per node
+        if draft.tokens is None:  # a dynamic tree, target-only rule
+            res = verify_tree(_as_token_tree(draft.tree), laws, mode="deterministic", sampler=gen)
+            return Verified(res.path, res.next_token)
+        book.add_rows(base, draft.tree, laws)
+        L = draft.tokens.shape[1]
+        prefixes = [[base + tuple(row[:i]) for i in range(L + 1)] for row in draft.tokens.tolist()]
+        book.prefetch([g for row in prefixes for g in row])
+        target_probs = torch.stack([torch.stack([book.law(g) for g in row]) for row in prefixes])
+        res = self.verifier(target_probs, draft.probs, draft.tokens, sampler=gen)
+        return Verified(
+            draft.nodes[res.draft_index][1 : res.num_accepted + 1], res.next_token, res.continuation
+        )
+
+
+def chain_draft(tokens: Tensor, probs: Tensor | None) -> Draft:
+    """The draft of K chains tokens [K, L] (target ids) with their draft laws probs [K, L, V] or None."""
+    tree, nodes = drafts_tree(tokens.tolist())
+    return Draft(tree, tokens, probs, nodes)
 
 
 def may_cut_drafted_chain(greedy: bool) -> bool:
@@ -557,21 +389,6 @@ def may_cut_drafted_chain(greedy: bool) -> bool:
 
 def _as_token_tree(tree: DraftTree) -> TokenTree:
     return TokenTree(list(tree.parents), [0, *tree.tokens[1:]])
-
-
-def greedy_path(tree: DraftTree, logits: Tensor) -> tuple[list[int], int]:
-    """Temperature-0 verification of any draft tree: from the root, follow the child whose token is the
-    target's argmax at its parent; the first argmax with no such child is the next token. logits [N, V]
-    (the target at every node). Every lossless verifier does this at temperature 0 (the target law is a
-    point mass), so it reads N argmaxes instead of forming [N, V] float64 laws.
-    Returns (accepted nodes, root excluded, in order; next token)."""
-    top = logits.argmax(-1).tolist()  # first index on ties, as next_token_law's one-hot
-    child = {(p, t): n for n, (p, t) in enumerate(zip(tree.parents, tree.tokens)) if n > 0}
-    path, node = [], 0
-    while (node, top[node]) in child:
-        node = child[(node, top[node])]
-        path.append(node)
-    return path, top[node]
 
 
 def point_mass(tokens: Tensor, vocab_size: int) -> Tensor:

@@ -8,7 +8,7 @@ from . import chain, greedy_block, multidraft  # noqa: F401  (registration)
 from .base import CROSS_ITERATION, SINGLE_DRAFT, VERIFIERS, Continuation, VerifyOutput, get_verifier
 from .multidraft import greedy_token
 from .randomness import Sampler, TorchSampler
-from .tree import TREE_MODES, TokenTree, TreeVerifyOutput, verify_tree
+from .tree import TREE_MODES, TokenTree, TreeVerifyOutput, greedy_path, verify_tree
 
 __all__ = [
     "CROSS_ITERATION",
@@ -22,6 +22,7 @@ __all__ = [
     "TreeVerifyOutput",
     "VerifyOutput",
     "get_verifier",
+    "greedy_path",
     "greedy_token",
     "verify_tree",
 ]

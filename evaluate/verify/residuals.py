@@ -80,6 +80,11 @@ class Rows:
         self._q: dict[Prefix, float] = {}  # q(x|y) keyed by y + (x,); filled in bulk by draft_rows
         self._p: dict[Prefix, float] = {}
 
+    def preload(self, key: Prefix, q: float, p: float) -> None:
+        """q(x|y) and p(x|y) for key = y + (x,), gathered in bulk (`draft_rows`); a known value stays."""
+        self._q.setdefault(key, q)
+        self._p.setdefault(key, p)
+
     def q(self, y: Prefix, x: int) -> float:
         key = y + (x,)
         if key not in self._q:
@@ -149,6 +154,5 @@ def draft_rows(target_probs: torch.Tensor, draft_probs: torch.Tensor, tokens: li
     q_path, p_path = token_probs(target_probs, draft_probs, tokens)  # most scalar reads hit these
     for k, path in enumerate(tokens):
         for i in range(n):
-            rows._q.setdefault(tuple(path[: i + 1]), q_path[k][i])
-            rows._p.setdefault(tuple(path[: i + 1]), p_path[k][i])
+            rows.preload(tuple(path[: i + 1]), q_path[k][i], p_path[k][i])
     return rows

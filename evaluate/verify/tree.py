@@ -119,3 +119,19 @@ def verify_tree(
             return TreeVerifyOutput(path, token)
         node = kids[node][choice]
         path.append(node)
+
+
+def greedy_path(tree: TokenTree, logits: torch.Tensor) -> tuple[list[int], int]:
+    """Temperature-0 verification of any draft tree (a `TokenTree`, or anything with its `parents` and
+    `tokens`, e.g. the decoding loop's `DraftTree`): from the root, follow the child whose token is the
+    target's argmax at its parent; the first argmax with no such child is the next token. logits [N, V]
+    (the target at every node). Every lossless verifier does this at temperature 0 (the target law is a
+    point mass), so it reads N argmaxes instead of forming [N, V] float64 laws.
+    Returns (accepted nodes, root excluded, in order; next token)."""
+    top = logits.argmax(-1).tolist()  # first index on ties, as next_token_law's one-hot
+    child = {(p, t): n for n, (p, t) in enumerate(zip(tree.parents, tree.tokens)) if n > 0}
+    path, node = [], 0
+    while (node, top[node]) in child:
+        node = child[(node, top[node])]
+        path.append(node)
+    return path, top[node]

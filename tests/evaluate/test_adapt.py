@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specblock.evaluate.decoding.adapt import (
+from specblock.evaluate.adapt import (
     Adapter,
     AdaptConfig,
     CostAwareBandit,
@@ -18,7 +18,7 @@ from specblock.evaluate.decoding.adapt import (
     slot_labels,
 )
 from specblock.evaluate.decoding.loop import DecodeConfig, SpeculativeDecoder
-from specblock.evaluate.decoding.drafting import TreeConfig
+from specblock.evaluate.decoding.trees import TreeConfig
 from specblock.evaluate.verify.exact import enumerate_outcomes
 
 import tiny_decoding as td  # tests/support

@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 
 from specblock.evaluate.decoding.budget import AutoBudget, ForwardCurve, choose_budget, measure_forward_curve
 from specblock.evaluate.config import EvalConfig
-from specblock.evaluate.decoding.drafting import TreeConfig
+from specblock.evaluate.decoding.trees import TreeConfig
 
 
 def test_forward_curve_interpolates_and_never_decreases():

@@ -11,9 +11,11 @@ import pytest
 import torch
 
 from specblock.evaluate.decoding import loop as decode_mod
-from specblock.evaluate.decoding.loop import DecodeConfig, SpeculativeDecoder, TargetSession, greedy_path
-from specblock.evaluate.decoding.drafting import DraftTree, TreeConfig, drafts_tree
-from specblock.evaluate.verify import VerifyOutput
+from specblock.evaluate.decoding.continuations import LawBook
+from specblock.evaluate.decoding.loop import DecodeConfig, SpeculativeDecoder
+from specblock.evaluate.decoding.target import TargetSession
+from specblock.evaluate.decoding.trees import DraftTree, TreeConfig, drafts_tree
+from specblock.evaluate.verify import VerifyOutput, greedy_path
 from specblock.evaluate.verify.exact import enumerate_outcomes
 from specblock.evaluate.verify import base as verify_base
 
@@ -108,21 +110,20 @@ class OracleRoot:
 
         drafting.Root.logits = logits
         # the patched law depends on the whole prefix, also within a SpecBlock block: memoise per prefix
-        self.saved.append((drafting.SpecBlockSession, "law_key", drafting.SpecBlockSession.law_key))
-        drafting.SpecBlockSession.law_key = lambda sess, prefix: prefix
-        for cls in (drafting.SpecBlockSession, drafting.Eagle3Session):
-            adv = cls.advance
-            self.saved.append((cls, "advance", adv))
+        self.saved.append((drafting.Root, "law_key", drafting.Root.law_key))
+        drafting.Root.law_key = lambda root, prefix: prefix
+        adv = drafting.DrafterSession.advance
+        self.saved.append((drafting.DrafterSession, "advance", adv))
 
-            def advance(sess, features, tokens, position, adv=adv):
-                root = adv(sess, features, tokens, position)
-                hist = sess.__dict__.setdefault("_hist", [])
-                del hist[position:]
-                hist += tokens.tolist()  # hist[j] = the token at absolute index j + 1
-                root._generated = tuple(hist[prompt_len - 1 :])
-                return root
+        def advance(sess, features, tokens, position):
+            root = adv(sess, features, tokens, position)
+            hist = sess.__dict__.setdefault("_hist", [])
+            del hist[position:]
+            hist += tokens.tolist()  # hist[j] = the token at absolute index j + 1
+            root._generated = tuple(hist[prompt_len - 1 :])
+            return root
 
-            cls.advance = advance
+        drafting.DrafterSession.advance = advance
 
     @classmethod
     def install(cls, target, prompt, ref):
@@ -509,18 +510,18 @@ def test_continuation_draft_laws_come_prefetched_and_count_as_drafting(greedy_se
         drafter.lm_head.weight.add_(
             torch.randn(drafter.lm_head.weight.shape, generator=torch.Generator().manual_seed(0))
         )
-    step = drafter.draft_step
-    drafter.draft_step = lambda *a, **k: time.sleep(0.02) or step(*a, **k)  # inside the drafter's timer
+    step = drafter.draft
+    drafter.draft = lambda *a, **k: time.sleep(0.02) or step(*a, **k)  # inside the drafter's timer
     cfg = DecodeConfig("iid", "spectr_gbv", 3, 3, 1.0, max_new_tokens=12)
     dec = SpeculativeDecoder(target, drafter, cfg)
-    monkeypatch.setattr(decode_mod.LawBook, "law", counting("law", decode_mod.LawBook.law))
-    monkeypatch.setattr(decode_mod.LawBook, "prefetch", counting("prefetch", decode_mod.LawBook.prefetch))
+    monkeypatch.setattr(LawBook, "law", counting("law", LawBook.law))
+    monkeypatch.setattr(LawBook, "prefetch", counting("prefetch", LawBook.prefetch))
     g = dec.generate(PROMPT, seed=0)
     assert inside["prefetch"] > 0 and inside["law"] == 0
     for it in g.iterations:
         assert it.drafter_seconds + it.target_seconds + it.verify_seconds <= it.seconds + 1e-6
 
-    monkeypatch.setattr(decode_mod.LawBook, "prefetch", lambda book, queries: None)  # the negative control
+    monkeypatch.setattr(LawBook, "prefetch", lambda book, queries: None)  # the negative control
     inside.update(law=0)
     dec.generate(PROMPT, seed=0)
     assert inside["law"] > 0

@@ -16,7 +16,7 @@ from specblock.evaluate.pipeline import config_diff
 from specblock.evaluate.reporting.report import read_jsonl
 from specblock.evaluate.run import evaluate
 from specblock.train.export import export_drafter
-from specblock.train.modeling import build_drafter
+from specblock.train.drafters import build_drafter
 from specblock.train.modeling.eagle3 import Eagle3Config
 from specblock.train.modeling.specblock import SpecBlockConfig
 
@@ -41,6 +41,14 @@ def test_eval_config_composes_and_validates():
     assert ec.drafters == {} and ec.lookup.max_ngram == 4 and ec.target.dtype in ("bfloat16", "float32")
     with pytest.raises(ValueError, match="at least one drafter"):
         EvalConfig(methods=["autoregressive", "lookup", "chain-token"], drafters={})
+
+
+def test_every_drafter_is_registered_with_both_stages():
+    from specblock.evaluate.decoding.drafters import DRAFTING_SPECS
+    from specblock.train.drafters import TRAIN_SPECS
+
+    assert set(DRAFTING_SPECS) == set(TRAIN_SPECS) and {"specblock", "eagle3"} <= set(TRAIN_SPECS)
+    assert set(EvalConfig().trees) == set(DRAFTING_SPECS)  # every drafter's default tree shape
 
 
 def test_config_diff_names_keys_and_ignores_logging():

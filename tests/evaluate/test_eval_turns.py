@@ -14,7 +14,7 @@ from specblock.evaluate.config import EvalConfig
 from specblock.evaluate.decoding.loop import SpeculativeDecoder
 from specblock.evaluate.reporting.report import read_jsonl
 from specblock.train.export import export_drafter
-from specblock.train.modeling import build_drafter
+from specblock.train.drafters import build_drafter
 from specblock.train.modeling.eagle3 import Eagle3Config
 
 FIXTURES = Path(__file__).parents[1] / "data" / "fixtures" / "evalsets"

@@ -8,7 +8,7 @@ import torch
 
 from specblock.data.target import FeatureTarget
 from specblock.evaluate.decoding.temperature import next_token_law
-from specblock.train.modeling import build_drafter
+from specblock.train.drafters import build_drafter
 from specblock.train.modeling.eagle3 import Eagle3Config
 from specblock.train.modeling.specblock import SpecBlockConfig
 

@@ -110,23 +110,24 @@ def distill_strategy(name: str, loss=None, *, vocab_size: int = 48, draft_vocab:
     """A real distillation strategy (`specblock.train.distill`) in float64: a random 6-layer Llama target
     (online teacher, features from layers 2, 3, 4), a drafter `name` with K = `slots` moved off its
     initialisation (shift projections start at [I | 0]) so that every parameter matters, two TTT blocks."""
-    from specblock.train.config import DrafterConfig
-    from specblock.train.distill import STRATEGIES, StrategyConfig
+    from specblock.train.distill import StrategyConfig
+    from specblock.train.drafters import build_drafter, train_spec
     from specblock.train.losses import CurriculumConfig, LossConfig
-    from specblock.train.modeling import build_drafter
+    from specblock.train.modeling import Eagle3Config, SpecBlockConfig
 
     target = tiny_llama(vocab_size, layers=6).double()
     d2t = torch.randperm(vocab_size)[:draft_vocab].sort().values
-    cfg = DrafterConfig(
-        name=name, block_size=slots, ttt_length=slots, draft_vocab_size=draft_vocab, rank_hidden=16
-    )
+    cfg = {
+        "specblock": SpecBlockConfig(block_size=slots, draft_vocab_size=draft_vocab, rank_hidden=16),
+        "eagle3": Eagle3Config(ttt_length=slots, draft_vocab_size=draft_vocab),
+    }[name]
     embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
-    module = build_drafter(name, cfg.specific(3), target.config, embed, head, d2t).double()
+    module = build_drafter(name, cfg, target.config, embed, head, d2t).double()
     with torch.no_grad():
         for p in module.parameters():
             p.add_(0.05 * torch.randn_like(p))
     loss = loss if loss is not None else LossConfig(curriculum=CurriculumConfig(0, 10), rank_budget=2)
-    return STRATEGIES[name](module, target, [2, 3, 4], loss, StrategyConfig(num_ttt_blocks=2, seed=1))
+    return train_spec(name).strategy(module, target, [2, 3, 4], loss, StrategyConfig(num_ttt_blocks=2, seed=1))
 
 
 def save_chat_data(tiny_chat, root, questions: list[str], answer: str, extra_rows: tuple = ()):

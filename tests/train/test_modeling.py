@@ -5,12 +5,11 @@ import pytest
 import torch
 from transformers import Qwen3Config
 
+from specblock.train.drafters import TRAIN_SPECS, build_drafter
 from specblock.train.modeling import (
-    DRAFTERS,
     DraftCache,
     Eagle3Config,
     SpecBlockConfig,
-    build_drafter,
     build_vocab_map,
     count_tokens,
     shift_left,
@@ -124,7 +123,7 @@ def test_rank_features_on_hand_made_logits():
 def test_registry_builds_both_by_name():
     target = make_target(*SHAPES["h32"])
     args = (target.config, target.get_input_embeddings().weight, target.get_output_embeddings().weight)
-    assert set(DRAFTERS) == {"specblock", "eagle3"}
+    assert {"specblock", "eagle3"} <= set(TRAIN_SPECS)
     assert type(build_drafter("specblock", None, *args)).__name__ == "SpecBlockDrafter"
     assert type(build_drafter("eagle3", None, *args)).__name__ == "Eagle3Drafter"
     with pytest.raises(KeyError):
@@ -146,7 +145,7 @@ def test_qwen3_style_target_with_explicit_head_dim():
         head_dim=16,
     )
     emb = torch.randn(64, 32)
-    for name in DRAFTERS:
+    for name in ("specblock", "eagle3"):
         drafter = build_drafter(name, None, cfg, emb, emb)
         assert drafter(torch.randn(1, 5, 96), torch.randint(0, 64, (1, 5))).logits.shape[-1] == 64
 
@@ -262,12 +261,12 @@ def test_draft_block_matches_the_training_forward():
         drafter.shift_proj[0].weight.normal_(std=0.2)
     out, past = drafter(feats, ids), None
     for t in range(T):
-        logits, hidden, rank, past = drafter.draft_block(feats[:, t], ids[:, t], past, position=t)
+        logits, hidden, rank, past = drafter.draft(feats[:, t], ids[:, t], past, position=t)
         assert same(logits, out.logits[:, t]) and same(hidden, out.hidden[:, t])
         assert same(rank, out.rank_logits[:, t])
     assert len(past) == T * 4
-    prefill, cache = drafter.extend(feats[:, :4], ids[:, :4])  # several positions in one call
-    rest, _ = drafter.extend(feats[:, 4:], ids[:, 4:], cache, position=4)
+    prefill = drafter.extend(feats[:, :4], ids[:, :4])  # several positions in one call
+    rest = drafter.extend(feats[:, 4:], ids[:, 4:], prefill.cache, position=4)
     assert same(prefill.logits, out.logits[:, :4]) and same(rest.logits, out.logits[:, 4:])
 
 
@@ -280,12 +279,12 @@ def test_cross_block_inheritance_matches_inference(slots):
     for t in range(T):
         past = None
         for tp in range(t):
-            past = drafter.draft_block(feats[:, tp], ids[:, tp], past, position=tp)[3]
-        _, hidden, _, past = drafter.draft_block(feats[:, t], ids[:, t], past, position=t)
+            past = drafter.draft(feats[:, tp], ids[:, tp], past, position=tp).cache
+        _, hidden, _, past = drafter.draft(feats[:, t], ids[:, t], past, position=t)
         for b, m in enumerate(slots, start=1):
             past = past.crop(len(past) - K + m + 1)  # the source block up to slot m stays visible
             token = shift_left(ids, offsets[b])[:, t]
-            logits, hidden, _, past = drafter.draft_block(
+            logits, hidden, _, past = drafter.draft(
                 hidden[:, m], token, past, position=t, offset=offsets[b], inherited=True
             )
             assert same(logits, blocks[b].logits[:, t]), (t, b)
@@ -303,13 +302,13 @@ def test_next_block_depends_on_its_source_slot_only():
 
 def test_draft_cache_rows_and_visibility():
     drafter, _, feats, ids = make("specblock")
-    _, past = drafter.extend(feats[:, :3], ids[:, :3])
+    past = drafter.extend(feats[:, :3], ids[:, :3]).cache
     leaves = past.rows(torch.tensor([0, 0, 1]))
     assert len(leaves) == 12 and leaves.keys[0].shape[0] == 3
     hidden = DraftCache(leaves.keys, leaves.values, torch.ones(3, 12, dtype=torch.bool))
     hidden.visible[:, 4:] = False  # hiding entries == cropping them
-    a = drafter.draft_block(feats[[0, 0, 1], 3], ids[[0, 0, 1], 3], hidden, position=3)[0]
-    b = drafter.draft_block(feats[[0, 0, 1], 3], ids[[0, 0, 1], 3], leaves.crop(4), position=3)[0]
+    a = drafter.draft(feats[[0, 0, 1], 3], ids[[0, 0, 1], 3], hidden, position=3).logits
+    b = drafter.draft(feats[[0, 0, 1], 3], ids[[0, 0, 1], 3], leaves.crop(4), position=3).logits
     assert same(a, b)
 
 
@@ -339,10 +338,12 @@ def test_eagle3_draft_step_matches_the_training_forward():
     out = drafter(feats, ids, torch.ones(B, T))
     context = None
     for t in range(T):
-        logits, hidden, context = drafter.draft_step(feats[:, t], ids[:, t], context, position=t)
-        assert same(logits, out.logits[:, t, 0])
+        logits, hidden, _, context = drafter.draft(feats[:, t], ids[:, t], context, position=t)
+        assert same(logits[:, 0], out.logits[:, t, 0])  # one step per call: K' = 1
         past = context
         for s in range(1, 3):  # TTT steps: own earlier steps at position t on top of the context
             token = shift_left(ids, s)[:, t]
-            logits, hidden, past = drafter.draft_step(hidden, token, past, position=t + s, inherited=True)
-            assert same(logits, out.logits[:, t, s]) and same(hidden, out.hidden[:, t, s])
+            logits, hidden, _, past = drafter.draft(
+                hidden[:, 0], token, past, position=t, offset=s, inherited=True
+            )
+            assert same(logits[:, 0], out.logits[:, t, s]) and same(hidden[:, 0], out.hidden[:, t, s])

@@ -17,10 +17,12 @@ from specblock.data.corpora import CorpusConfig
 from specblock.data.regenerate import RegenerateConfig
 from specblock.data.target import TargetConfig
 from specblock.train import run as run_mod
-from specblock.train.config import DrafterConfig, TrainConfig, ValidationConfig, register_configs
+from specblock.train.config import TrainConfig, ValidationConfig, register_configs, saved_run_config
+from specblock.train.drafters import train_spec
 from specblock.train.export import load_drafter
 from specblock.train.losses import CurriculumConfig, LossConfig
 from specblock.train.distill import StrategyConfig
+from specblock.train.modeling import Eagle3Config, SpecBlockConfig
 from specblock.train.trainer import TrainerConfig
 from specblock.train.validation import read_best, split_indices
 
@@ -67,7 +69,9 @@ def make_cfg(tiny_chat, tmp_path):
             output_dir=str(tmp_path / out),
             features=features,
             data=data,
-            drafter=DrafterConfig(name=name, draft_vocab_size=24, rank_hidden=16, ttt_length=3),
+            drafter=SpecBlockConfig(draft_vocab_size=24, rank_hidden=16)
+            if name == "specblock"
+            else Eagle3Config(draft_vocab_size=24, ttt_length=3),
             loss=LossConfig(curriculum=CurriculumConfig(end=3), rank_start_step=2),
             strategy=StrategyConfig(num_ttt_blocks=2),
             validation=validation or ValidationConfig(),
@@ -183,11 +187,13 @@ def test_split_indices_is_seeded_and_disjoint():
         split_indices(2, 0.9, None, 0)
 
 
-EXPERIMENTS = sorted(
-    p.name.removesuffix(".yaml")
-    for p in importlib.resources.files("specblock.configs").joinpath("experiment").iterdir()
-    if p.name.endswith(".yaml")
-)
+def options(group: str) -> list[str]:
+    """The YAML options of a config group of the package's configs."""
+    folder = importlib.resources.files("specblock.configs").joinpath(group)
+    return sorted(p.name.removesuffix(".yaml") for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+EXPERIMENTS = options("experiment")
 
 
 def test_experiments_are_discovered():
@@ -227,3 +233,27 @@ def test_a_resumed_run_remembers_its_best_validation_step(make_cfg, monkeypatch)
     cfg = make(resume="latest")
     run_mod.train(cfg)
     assert read_best(cfg.output_dir)["step"] == 2
+
+
+@pytest.mark.parametrize("drafter", options("drafter"))
+def test_every_drafter_config_composes_over_its_own_schema(drafter):
+    register_configs()
+    with initialize_config_module("specblock.configs", version_base=None):
+        cfg = compose("train", overrides=["experiment=debug", f"drafter={drafter}"])
+    config = OmegaConf.to_object(cfg)
+    assert isinstance(config.drafter, train_spec(drafter).config) and config.drafter.name == drafter
+    assert config.run_name == f"debug-{drafter}"
+
+
+def test_a_run_saved_before_each_drafter_had_its_schema_still_loads(tmp_path):
+    """Runs saved with the merged drafter config (every drafter's fields) and loss.rank_buckets."""
+    register_configs()
+    with initialize_config_module("specblock.configs", version_base=None):
+        old = OmegaConf.to_container(compose("train", overrides=["experiment=debug"]), resolve=True)
+    old["drafter"].update(ttt_length=7)
+    del old["drafter"]["num_feature_layers"]
+    old["loss"]["rank_buckets"] = [1, 4, 10]
+    OmegaConf.save(OmegaConf.create(old), tmp_path / "config.yaml")
+    loaded = OmegaConf.to_object(saved_run_config(tmp_path))
+    assert isinstance(loaded.drafter, SpecBlockConfig) and loaded.drafter.num_feature_layers == 3
+    assert loaded.drafter.draft_vocab_size == 2048 and not hasattr(loaded.loss, "rank_buckets")

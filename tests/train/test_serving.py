@@ -145,9 +145,10 @@ def test_engine_reader_reproduces_our_logits(tmp_path, layers, flavour):
     g = torch.Generator().manual_seed(1)
     features, tokens = torch.randn(T, 3 * H, generator=g), torch.randint(0, V, (T,), generator=g)
     with torch.no_grad():
-        ours, hidden, past = module.extend(features[None], tokens[None], position=0)
+        prefill = module.extend(features[None], tokens[None], position=0)
+        ours, hidden = prefill.logits[:, :, 0], prefill.hidden[:, :, 0]  # one step per position: K' = 1
         nxt = torch.tensor([int(module.d2t[ours[0, -1].argmax()])])
-        ours2, _, _ = module.draft_step(hidden[:, -1], nxt, past, position=T, inherited=True)
+        ours2 = module.draft(hidden[:, -1], nxt, prefill.cache, position=T, inherited=True).logits[:, 0]
     # the engines concatenate the captured states in ascending layer order
     order = sorted(range(3), key=lambda j: layers[j])
     engine_features = features.view(T, 3, H)[:, order].reshape(T, 3 * H)
@@ -230,11 +231,11 @@ def test_refuses_rope_without_a_legacy_form():
 def test_project_folder_loads_in_one_call_without_the_target(tmp_path, name):
     """load_drafter(folder) needs nothing but the folder: the target id recorded in it does not exist."""
     from specblock.train.export import export_drafter, load_drafter
-    from specblock.train.modeling import DRAFTER_CONFIGS, build_drafter
+    from specblock.train.drafters import build_drafter, train_spec
 
     target_config = tiny_target_config()
     embed = torch.randn(V, H)
-    drafter_cfg = DRAFTER_CONFIGS[name]()
+    drafter_cfg = train_spec(name).config()
     module = build_drafter(name, drafter_cfg, target_config, embed, embed).eval()
     folder = export_drafter(
         module, tmp_path / "drafter", name=name, drafter_cfg=drafter_cfg, target_config=target_config,

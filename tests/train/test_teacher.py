@@ -5,10 +5,10 @@ for a target whose head soft-caps its logits (Gemma 2's final_logit_softcapping)
 import torch
 
 from specblock.data.target import FeatureTarget, TargetHead
-from specblock.train.config import DrafterConfig
-from specblock.train.distill import STRATEGIES, StrategyConfig
+from specblock.train.distill import StrategyConfig
+from specblock.train.drafters import build_drafter, train_spec
 from specblock.train.losses import LossConfig
-from specblock.train.modeling import build_drafter
+from specblock.train.modeling import Eagle3Config
 
 from tiny_models import TINY_SOFTCAP, tiny_softcapped
 
@@ -18,10 +18,10 @@ VOCAB, LAYERS = 40, [2, 3, 4]
 def strategies(target):
     """The EAGLE-3 strategy twice over one drafter: online (the target as teacher) and offline."""
     d2t = torch.arange(0, VOCAB, 2)
-    cfg = DrafterConfig(name="eagle3", ttt_length=2, draft_vocab_size=len(d2t)).specific(len(LAYERS))
+    cfg = Eagle3Config(ttt_length=2, draft_vocab_size=len(d2t), num_feature_layers=len(LAYERS))
     embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
     module = build_drafter("eagle3", cfg, target.config, embed, head, d2t)
-    make = STRATEGIES["eagle3"]
+    make = train_spec("eagle3").strategy
     online = make(module, target, LAYERS, LossConfig(), StrategyConfig())
     offline = make(module, None, LAYERS, LossConfig(), StrategyConfig(), TargetHead.of(target, copy=True))
     return online, offline

@@ -1,5 +1,14 @@
-"""Pieces shared by the drafters: the output type, the target-derived layer config, a small attention
-block, the slot masks, the inference KV cache, and the frozen embedding / draft LM head.
+"""Pieces shared by the drafters: the config every drafter's extends, the output types, the
+target-derived layer config, a small attention block, the slot masks, the inference KV cache, and the
+frozen embedding / draft LM head.
+
+What a drafter module offers (the training and evaluation stages rely on nothing else):
+- attributes `cfg` (its `DrafterConfig` subclass), `block_size` (K: the positions one training forward
+  predicts), `d2t` [Vd] (draft id -> target id), `t2d` [V] and `lm_head` (Linear(H, Vd));
+- `forward(features [B,T,F*H], input_ids [B,T], attention_mask [B,T]) -> DrafterOutput` (training);
+- `extend(condition [B,N,F*H], tokens [B,N], past, *, position) -> DraftStep` over N consecutive context
+  positions, and `draft(condition [B,H] or [B,F*H], token [B], past, *, position, offset, inherited)
+  -> DraftStep` at one position per row (decoding; evaluate/decoding/drafting.py).
 
 Why our own attention block instead of transformers' `LlamaDecoderLayer`: both drafters attend to keys
 that do not come from the same call (earlier blocks or TTT steps, an inference cache cropped to a
@@ -15,6 +24,7 @@ Flat layout: a block of N positions x K slots is flattened position-major, flat 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +44,24 @@ KV = tuple[Tensor, Tensor]  # keys, values [B, Hkv, L, head_dim], RoPE already a
 
 
 @dataclass
+class DrafterConfig:
+    """What every drafter's config holds; each drafter subclasses it with its architecture's fields, and
+    the subclass is that drafter's Hydra schema in the `drafter` group (train/drafters.py).
+
+    name: the drafter's registered name (the subclass's default); draft_vocab_size: None = the target's
+    full vocabulary; num_feature_layers: how many target hidden states `features` concatenates (F), set
+    from the target's feature layers when the training stage builds the drafter."""
+
+    name: str = ""
+    draft_vocab_size: int | None = None
+    num_feature_layers: int = 3
+
+    def __post_init__(self):
+        if self.num_feature_layers < 1:
+            raise ValueError(f"num_feature_layers must be >= 1, got {self.num_feature_layers}")
+
+
+@dataclass
 class DrafterOutput:
     """logits [B,S,K,Vd] (slot k at context position t predicts token t+2+k); hidden [B,S,K,H] pre-norm
     states (cross-block inheritance, EAGLE TTT); rank_logits [B,S,K,C] or None."""
@@ -41,6 +69,18 @@ class DrafterOutput:
     logits: Tensor
     hidden: Tensor
     rank_logits: Tensor | None = None
+
+
+class DraftStep(NamedTuple):
+    """What a drafter's inference calls (`extend`, `draft`) return, the same for every drafter: per row
+    (and position) the K' tokens one call drafts (SpecBlock: a block's K slots; EAGLE-3: one step, K' = 1)
+    as logits [..., K', Vd], pre-norm hidden states [..., K', H] (what later blocks / steps start from)
+    and rank_logits [..., K', C] or None, plus the cache with this call's entries appended."""
+
+    logits: Tensor
+    hidden: Tensor
+    rank_logits: Tensor | None
+    cache: DraftCache
 
 
 # ---------------------------------------------------------------- config from the target

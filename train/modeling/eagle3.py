@@ -25,7 +25,9 @@ from .common import (
     KV,
     DecoderLayer,
     DraftCache,
+    DrafterConfig,
     DrafterOutput,
+    DraftStep,
     RMSNorm,
     Rotary,
     cat_kv,
@@ -41,20 +43,17 @@ from .vocab import resolve_vocab_map, t2d_from_d2t
 
 
 @dataclass
-class Eagle3Config:
-    """ttt_length: TTT steps K unrolled in training (EAGLE-3 trains 7); draft_vocab_size None = the
-    target's; num_feature_layers: how many target hidden states `features` concatenates (F)."""
+class Eagle3Config(DrafterConfig):
+    """ttt_length: TTT steps K unrolled in training (EAGLE-3 trains 7). The fields every drafter has:
+    `DrafterConfig`."""
 
+    name: str = "eagle3"
     ttt_length: int = 7
-    draft_vocab_size: int | None = None
-    num_feature_layers: int = 3
 
     def __post_init__(self):
-        if self.ttt_length < 1 or self.num_feature_layers < 1:
-            raise ValueError(
-                f"ttt_length and num_feature_layers must be >= 1, got {self.ttt_length}, "
-                f"{self.num_feature_layers}"
-            )
+        super().__post_init__()
+        if self.ttt_length < 1:
+            raise ValueError(f"ttt_length must be >= 1, got {self.ttt_length}")
 
 
 class Eagle3Layer(DecoderLayer):
@@ -136,11 +135,12 @@ class Eagle3Drafter(nn.Module):
 
     def extend(
         self, condition: Tensor, tokens: Tensor, past: DraftCache | None = None, *, position: int | Tensor = 0
-    ) -> tuple[Tensor, Tensor, DraftCache]:
+    ) -> DraftStep:
         """Step 0 at N consecutive context positions position..position+N-1 (how a decoding loop appends
         the tokens a verification accepted): condition [B,N,F*H] target features, tokens [B,N] aligned;
         each position sees every visible cache entry and the earlier new positions. Returns logits
-        [B,N,Vd], hidden [B,N,H] and the cache with the N step-0 entries appended."""
+        [B,N,1,Vd], hidden [B,N,1,H] (one step: K' = 1), no rank logits, and the cache with the N step-0
+        entries appended."""
         if condition.shape[-1] != self.feature_size:
             raise ValueError(f"condition has width {condition.shape[-1]}, expected {self.feature_size}")
         B, N, _ = condition.shape
@@ -149,29 +149,32 @@ class Eagle3Drafter(nn.Module):
         pos = position_ids(position, B, N, condition.device)
         h, kv = self._step(self.fc(condition), tokens, pos, mask, None if past is None else [past.layer(0)])
         past = DraftCache.from_kv([kv]) if past is None else past.append([kv])
-        return self.lm_head(self.norm(h)), h, past
+        return DraftStep(self.lm_head(self.norm(h))[:, :, None], h[:, :, None], None, past)
 
-    def draft_step(
+    def draft(
         self,
         condition: Tensor,
         token: Tensor,
         past: DraftCache | None = None,
         *,
         position: int | Tensor = 0,
+        offset: int = 0,
         inherited: bool = False,
-    ) -> tuple[Tensor, Tensor, DraftCache]:
-        """One drafting step per row that sees every visible cache entry and itself.
+    ) -> DraftStep:
+        """One drafting step per row that sees every visible cache entry and itself, at RoPE id
+        position + offset (step s at context position t: t + s).
         condition [B,F*H] target features (step 0, at context position t: position = t, past = step-0
-        entries of positions < t) or [B,H] the previous step's hidden (inherited=True, position = t+s,
+        entries of positions < t) or [B,H] the previous step's hidden (inherited=True, offset = s,
         past = step-0 entries of positions <= t + the path's earlier steps); token [B].
-        Returns logits [B,Vd], hidden [B,H] and the cache with this step's entry appended."""
+        Returns logits [B,1,Vd], hidden [B,1,H], no rank logits, and the cache with this step's entry
+        appended."""
         expected = self.hidden_size if inherited else self.feature_size
         if condition.shape[-1] != expected:
             raise ValueError(f"condition has width {condition.shape[-1]}, expected {expected}")
         h = (condition if inherited else self.fc(condition))[:, None]  # [B,1,H]
         own = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=h.device)
         mask = own.expand(h.shape[0], -1, -1, -1) if past is None else past.key_mask(own)
-        pos = position_ids(position, h.shape[0], 1, h.device)
+        pos = position_ids(position + offset, h.shape[0], 1, h.device)
         h, kv = self._step(h, token[:, None], pos, mask, None if past is None else [past.layer(0)])
         past = DraftCache.from_kv([kv]) if past is None else past.append([kv])
-        return self.lm_head(self.norm(h[:, 0])), h[:, 0], past
+        return DraftStep(self.lm_head(self.norm(h)), h, None, past)

@@ -34,7 +34,9 @@ from .common import (
     KV,
     DecoderLayer,
     DraftCache,
+    DrafterConfig,
     DrafterOutput,
+    DraftStep,
     RMSNorm,
     Rotary,
     cat_kv,
@@ -56,26 +58,25 @@ SLOT_QUERY_STD = 0.02  # the reference's init of the slot query embedding
 
 
 @dataclass
-class SpecBlockConfig:
-    """block_size K slots per block; num_layers decoder layers; draft_vocab_size None = the target's;
-    rank_buckets: upper rank bound of each rank class but the last (C = len + 1: 1 / 2-4 / 5-10 / >10);
-    rank_hidden: width of the rank MLP; rank_topk: top-k log-probs among its input features;
-    num_feature_layers: how many target hidden states are concatenated in `features` (F)."""
+class SpecBlockConfig(DrafterConfig):
+    """block_size K slots per block; num_layers decoder layers; rank_buckets: upper rank bound of each
+    rank class but the last (C = len + 1: 1 / 2-4 / 5-10 / >10), the classes the Rank Head predicts and
+    its loss trains (the one place they are set); rank_hidden: width of the rank MLP; rank_topk: top-k
+    log-probs among its input features. The fields every drafter has: `DrafterConfig`."""
 
+    name: str = "specblock"
     block_size: int = 4
     num_layers: int = 2
-    draft_vocab_size: int | None = None
     rank_buckets: list[int] = field(default_factory=lambda: [1, 4, 10])
     rank_hidden: int = 256
     rank_topk: int = 10
-    num_feature_layers: int = 3
 
     def __post_init__(self):
+        super().__post_init__()
         self.rank_buckets = list(self.rank_buckets)
-        if self.block_size < 1 or self.num_layers < 1 or self.num_feature_layers < 1:
+        if self.block_size < 1 or self.num_layers < 1:
             raise ValueError(
-                "block_size, num_layers and num_feature_layers must be >= 1, got "
-                f"{self.block_size}, {self.num_layers}, {self.num_feature_layers}"
+                f"block_size and num_layers must be >= 1, got {self.block_size}, {self.num_layers}"
             )
         b = self.rank_buckets
         if not b or b[0] < 1 or any(x >= y for x, y in zip(b, b[1:])):
@@ -286,13 +287,14 @@ class SpecBlockDrafter(nn.Module):
         position: int | Tensor = 0,
         offset: int = 0,
         inherited: bool = False,
-    ) -> tuple[DrafterOutput, DraftCache]:
+    ) -> DraftStep:
         """Drafts blocks at N consecutive positions position..position+N-1 that see every visible cache
         entry, the earlier new positions' slots, and their own slots causally.
         condition [B,N,F*H] target features (or [B,N,H] pre-norm drafter hidden if inherited); tokens
         [B,N]; position: int or [B] context index of the first condition; offset: the block's token
-        offset (0 for block 1). Returns the outputs [B,N,K,...] and the cache with this call's N*K
-        entries appended (crop them away when they should not stay visible)."""
+        offset (0 for block 1). Returns logits [B,N,K,Vd], hidden [B,N,K,H], rank_logits [B,N,K,C] and
+        the cache with this call's N*K entries appended (crop them away when they should not stay
+        visible)."""
         cond = self._condition(condition, inherited)
         B, N, _ = cond.shape
         own = slot_mask(N, self.block_size, None, earlier=True, same_slots=None, device=cond.device)
@@ -300,9 +302,11 @@ class SpecBlockDrafter(nn.Module):
         extra = None if past is None else [past.layer(i) for i in range(len(self.layers))]
         pos = position_ids(position, B, N, cond.device) + 1 + offset
         hidden, kv = self._block(cond, tokens, pos, mask, extra)
-        return self._heads(hidden), DraftCache.from_kv(kv) if past is None else past.append(kv)
+        out = self._heads(hidden)
+        cache = DraftCache.from_kv(kv) if past is None else past.append(kv)
+        return DraftStep(out.logits, out.hidden, out.rank_logits, cache)
 
-    def draft_block(
+    def draft(
         self,
         condition: Tensor,
         token: Tensor,
@@ -311,16 +315,16 @@ class SpecBlockDrafter(nn.Module):
         position: int | Tensor = 0,
         offset: int = 0,
         inherited: bool = False,
-    ) -> tuple[Tensor, Tensor, Tensor, DraftCache]:
+    ) -> DraftStep:
         """One block at one position per row. condition [B,F*H] (or [B,H] if inherited), token [B] ->
         logits [B,K,Vd], hidden [B,K,H], rank_logits [B,K,C], cache with the block's K entries appended.
         Block 1 at context position t: past = block-1 entries of positions < t. A block started from
         slot m of the block just drafted: past.crop(len(past) - K + m + 1), condition = its hidden[:, m],
         token = the token chosen at slot m, offset = previous offset + m + 1, inherited=True."""
-        out, past = self.extend(
+        step = self.extend(
             condition[:, None], token[:, None], past, position=position, offset=offset, inherited=inherited
         )
-        return out.logits[:, 0], out.hidden[:, 0], out.rank_logits[:, 0], past
+        return DraftStep(step.logits[:, 0], step.hidden[:, 0], step.rank_logits[:, 0], step.cache)
 
     def _condition(self, condition: Tensor, inherited: bool) -> Tensor:
         expected = self.hidden_size if inherited else self.feature_size

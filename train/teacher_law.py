@@ -1,0 +1,102 @@
+"""The teacher's law over the draft vocabulary, as the losses read it, and the forward KL to it.
+
+The target's logits at the positions a block's slots predict, restricted to the draft vocabulary,
+become a `TeacherLaw` once per target position (probabilities, sum p log p, argmax); every slot of
+every block reads it as a strided view (`slot_grid`), and `forward_kl` computes KL(teacher || draft)
+with a closed-form gradient, keeping nothing of size [..., V] but the logits themselves.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+class TeacherLaw(NamedTuple):
+    """The teacher's law as the losses read it, for entries [...]: probs [..., V] float32 (the softmax of
+    the teacher's logits over the draft vocabulary), neg_entropy [...] = sum_v p log p, argmax [...] long.
+    The trainer builds it once per target position and hands each block a strided view (`slot_grid`):
+    slot k at position t reads row t+1+k, so the K slots share rows instead of copying them K times."""
+
+    probs: Tensor
+    neg_entropy: Tensor
+    argmax: Tensor
+
+    @staticmethod
+    def from_logits(logits: Tensor) -> TeacherLaw:
+        """[..., V] teacher logits (rows of -inf, e.g. padding, give p = 0) -> the law per entry."""
+        logits = at_least_fp32(logits.detach())
+        probs = F.softmax(logits, dim=-1).nan_to_num(0.0)
+        return TeacherLaw(probs, torch.xlogy(probs, probs).sum(-1), argmax_last(logits))
+
+    def slot_grid(self, start: int, steps: int, K: int) -> TeacherLaw:
+        """Per-row law [B, R, ...] -> per-slot [B, steps, K, ...] with entry (t, k) = row start+t+k.
+        Views of the same storage (no copy); needs R >= start + steps + K - 1."""
+
+        def grid(x: Tensor) -> Tensor:  # [B,R,*] -> [B,steps,K,*]
+            return x[:, start : start + steps + K - 1].unfold(1, K, 1).movedim(-1, 2)
+
+        return TeacherLaw(grid(self.probs), grid(self.neg_entropy), grid(self.argmax))
+
+
+def argmax_last(x: Tensor) -> Tensor:
+    """x [..., V] -> [...] long, the first maximal index: `max(-1).indices`, which on CPU is ~4x faster
+    than `argmax(-1)` for bf16 inputs (same result, ties included)."""
+    return x.max(dim=-1).indices
+
+
+def at_least_fp32(x: Tensor) -> Tensor:
+    """bf16 / fp16 -> float32; float32 and float64 unchanged (float64 tests stay exact)."""
+    return x.float() if x.element_size() < 4 else x
+
+
+def as_law(teacher: Tensor | TeacherLaw) -> TeacherLaw:
+    """Teacher logits [..., V] or an already built law -> TeacherLaw."""
+    return teacher if isinstance(teacher, TeacherLaw) else TeacherLaw.from_logits(teacher)
+
+
+class _KLToSoftmax(torch.autograd.Function):
+    """KL(p || softmax(z)) = sum p log p - sum p z + logsumexp(z) per row (p sums to 1), 0 where invalid.
+    Backward: dKL/dz = softmax(z) - p. Nothing of size [..., V] is saved but the inputs themselves (z in
+    its own dtype, p usually a view shared between slots): a log-softmax would keep a float32 copy."""
+
+    @staticmethod
+    def forward(ctx, z: Tensor, p: Tensor, neg_entropy: Tensor, valid: Tensor) -> Tensor:
+        z32 = at_least_fp32(z)
+        lse = torch.logsumexp(z32, dim=-1)  # [...]
+        kl = torch.where(valid, neg_entropy - (p * z32).sum(-1) + lse, 0.0)
+        ctx.save_for_backward(z, p, lse, valid)
+        return kl
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        z, p, lse, valid = ctx.saved_tensors
+        g = torch.where(valid, grad, 0.0).unsqueeze(-1)
+        dz = (torch.exp(at_least_fp32(z) - lse.unsqueeze(-1)) - p).mul_(g)
+        return dz.to(z.dtype), None, None, None
+
+
+def forward_kl(
+    draft_logits: Tensor, teacher: Tensor | TeacherLaw, valid: Tensor, topk: int | None = None
+) -> Tensor:
+    """Per-entry forward KL(teacher || draft) over the draft vocabulary, float32.
+
+    draft_logits [B,S,K,V] (any float dtype); teacher: logits [B,S,K,V] or a TeacherLaw of that shape;
+    valid [B,S,K] bool -> kl [B,S,K], 0 and no gradient where invalid (teacher rows there may hold
+    anything, even -inf padding). The teacher is a constant.
+    topk: sum only over the teacher's top-k tokens with their full-vocabulary probabilities, not
+    renormalised (as the authors' `--draft-loss-topk`: a position weighs by the mass of its top-k);
+    the minimiser is the same as with renormalised probabilities. This restricted sum can be < 0.
+    """
+    law = as_law(teacher)
+    if topk is None:
+        return _KLToSoftmax.apply(draft_logits, law.probs, law.neg_entropy, valid)
+    log_q = F.log_softmax(at_least_fp32(draft_logits), dim=-1)  # [B,S,K,V]
+    with torch.no_grad():
+        p, idx = law.probs.topk(topk, dim=-1)  # [B,S,K,topk]
+        p = p.masked_fill(~valid.unsqueeze(-1), 0.0)
+        neg_entropy = torch.xlogy(p, p).sum(-1)
+    return neg_entropy - (p * log_q.gather(-1, idx)).sum(-1)
