@@ -81,7 +81,7 @@ class EvalConfig:
     max_prompt_tokens: int = 512  # longer prompts keep their last tokens
     num_drafts: int = 4  # K for the iid methods (chain methods draft one)
     # L for chain, iid and lookup; or "auto": each chain method (with a verifier that carries no
-    # continuation) chooses its length per iteration up to max_draft_length (evaluate/budget.py), lookup
+    # continuation) chooses its length per iteration up to max_draft_length (evaluate/decoding/budget.py), lookup
     # drafts up to max_draft_length
     draft_length: Any = 4
     max_draft_length: int = 8

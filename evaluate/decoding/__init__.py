@@ -11,5 +11,4 @@ drafters.py       one evaluation-side spec per drafter (tree builder, default tr
 budget.py         the machine-sized tree budget and chain length (`auto`)
 lookup.py         prompt lookup (no drafter)
 temperature.py    temperature and top-p: logits to the law decoding samples from
-adapt.py          serving-time adaptation of the drafter from verifier feedback
 """

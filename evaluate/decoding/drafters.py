@@ -6,7 +6,7 @@ exported drafter's config carries it as `cfg.name`).
 
 - `tree`: grows the drafter's dynamic draft tree at a `Root` (drafting.py);
 - `default_tree`: its tree shape in the evaluation app (`trees.<name>`, evaluate/config.py);
-- `arms`: the parameter subsets serving-time adaptation may train besides `lora` (adapt.py).
+- `arms`: the parameter subsets serving-time adaptation may train besides `lora` (evaluate/adapt/).
 The inference session is the same for every drafter (drafting.py): every module answers `extend` and
 `draft` with a `DraftStep`.
 

@@ -192,7 +192,7 @@ class SpeculativeDecoder:
         self.calibration_seconds = 0.0  # the auto budget's one-time forward-curve measurement
         self._scores: list[float] = []  # the kept draft's cumulative log-probs, for the auto calibration
         self._variable_seconds = 0.0  # an auto chain's drafting seconds (budget.py models them per token)
-        self.adapter = adapter  # evaluate/adapt.py: fed the verified positions, told when a request ends
+        self.adapter = adapter  # evaluate/adapt/: fed the verified positions, told when a request ends
 
     def _sample(self, logits: Tensor, gen: Sampler) -> int:
         if self.greedy:

@@ -1,7 +1,7 @@
 """Single-draft verifiers: token-wise speculative sampling and block verification.
 
 Both are iteration-independent: after them, the next iteration verifies against the plain target.
-Acceptance arithmetic is float64; probabilities may come in any float dtype (laws.py).
+Acceptance arithmetic is float64; probabilities may come in any float dtype (residuals.py).
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ def walk_drafts(draft_tokens: torch.Tensor, rows: Rows, rule: NodeRule, s: Sampl
 
 def kseq_rho(rows: Rows, y: Prefix, k: int) -> tuple[float, float]:
     """SpecTr's rho*: the root in [1, k] of 1 - (1 - beta(rho))^k = rho beta(rho), where
-    beta(rho) = sum_x min(p(x), q(x)/rho) = (1 - S(rho)) / rho (laws.py). Bisection keeps the upper end,
+    beta(rho) = sum_x min(p(x), q(x)/rho) = (1 - S(rho)) / rho (residuals.py). Bisection keeps the upper end,
     so g(rho) = rho beta - 1 + (1-beta)^k >= 0, which keeps the residual non-negative. Returns
     (rho, beta(rho))."""
 
@@ -71,7 +71,7 @@ def kseq_rule(rows: Rows, y: Prefix, candidates: list[int], s: Sampler):
     if j < k:
         return j, None
     none = (1.0 - beta) ** k  # probability that every candidate was rejected
-    q = working(rows.target_at(y))  # laws.py: vocabulary-wide work in the input's dtype
+    q = working(rows.target_at(y))  # residuals.py: vocabulary-wide work in the input's dtype
     if beta <= 0.0 or none <= 0.0:
         return None, q
     accepted = torch.minimum(working(rows.draft_at(y)).to(q.dtype), q / rho).mul_((1.0 - none) / beta)  # m(x)
@@ -83,7 +83,7 @@ def kseq_rule(rows: Rows, y: Prefix, candidates: list[int], s: Sampler):
 def rrs_rule(rows: Rows, y: Prefix, candidates: list[int], s: Sampler):
     """Recursive rejection sampling with replacement (SpecInfer; docs/verifiers.md section 6a).
 
-    r starts at q; a rejection sets r <- (r - p)_+ normalised, i.e. lam <- lam + S(lam) (laws.py). A
+    r starts at q; a rejection sets r <- (r - p)_+ normalised, i.e. lam <- lam + S(lam) (residuals.py). A
     rejected token gets r(x) = 0, so a duplicate candidate is rejected too."""
     lam = 0.0
     for j, x in enumerate(candidates):

@@ -255,7 +255,7 @@ def test_layer_shift_feeds_the_previous_slot():
 # ---------------------------------------------------------------- SpecBlock inference and blocks
 
 
-def test_draft_block_matches_the_training_forward():
+def test_specblock_draft_matches_the_training_forward():
     drafter, _, feats, ids = make("specblock", "h48")
     with torch.no_grad():
         drafter.shift_proj[0].weight.normal_(std=0.2)
@@ -333,7 +333,7 @@ def test_eagle3_ttt_causality():
     assert all(not same(drafter(earlier, ids).logits[:, t, s], base[:, t, s]) for s in range(4))
 
 
-def test_eagle3_draft_step_matches_the_training_forward():
+def test_eagle3_draft_matches_the_training_forward():
     drafter, _, feats, ids = make("eagle3", ttt_length=3)
     out = drafter(feats, ids, torch.ones(B, T))
     context = None
