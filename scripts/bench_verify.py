@@ -26,7 +26,15 @@ from specblock.evaluate.verify import SINGLE_DRAFT, VERIFIERS, get_verifier
 
 log = logging.getLogger(__name__)
 
-ORDER = ["token", "block", "greedy_block", "spectr", "rrs", "spectr_gbv", "greedy"]
+ORDER = [
+    "token",
+    "block",
+    "greedy_block",
+    "spectr",
+    "rrs",
+    "spectr_gbv",
+    "greedy",
+]  # then any other registered
 
 
 def make_inputs(k: int, n: int, vocab: int, gen: torch.Generator, device: str, temperature: float = 1.0):
@@ -106,7 +114,9 @@ def main(argv: list[str] | None = None) -> None:
                 ]
                 acc = statistics.mean(i[3] for i in inputs)
                 ms = {}
-                for name in [v for v in ORDER if v in VERIFIERS]:
+                for name in sorted(
+                    VERIFIERS, key=lambda v: (ORDER.index(v) if v in ORDER else len(ORDER), v)
+                ):
                     kk = 1 if name in SINGLE_DRAFT else k
                     if name in SINGLE_DRAFT and k > 1:
                         continue
@@ -124,8 +134,7 @@ def main(argv: list[str] | None = None) -> None:
                         f"| {vocab} | {k} | {n} | {acc:.2f} | {name} | {t:.2f} | {ratio} | {100 * t / (1e3 * fwd):.1f} |"
                     )
                 log.info(
-                    f"| {vocab} | {k} | {n} | | target forward, {k * (n + 1)} tokens | {1e3 * fwd:.1f} | | |",
-                    flush=True,
+                    f"| {vocab} | {k} | {n} | | target forward, {k * (n + 1)} tokens | {1e3 * fwd:.1f} | | |"
                 )
 
 
