@@ -506,6 +506,8 @@ class SpeculativeDecoder:
         target_before = self.target.seconds
         features, logits = self.target.forward([out[-1], *tree.tokens[1:]], [-1, *tree.parents[1:]])
         target_seconds = self.target.seconds - target_before
+        if self.auto is not None:  # the load factor of the auto budget's forward curve
+            self.auto.observe_forward(len(tree.tokens), target_seconds)
         t0, drafted_before = time.perf_counter(), self.drafter.cost.seconds
         if self.greedy:  # every scheme: follow the target's argmax (no [V] law is formed)
             (path, nxt), cont = greedy_path(tree, logits), None
