@@ -15,7 +15,9 @@ SmolLM2 costs ~2.4x a one-token step, on an H200 it costs about the same as one.
   so far (accepted: nodes the verifier accepted; predicted: sum of a_i over the nodes drafted), so an
   over-confident drafter gets smaller trees; clipped to [C_MIN, C_MAX].
 - forward(n): the target forward over n tokens after the committed cache, measured once per decoder on
-  the first prompt's cache (FORWARD_GRID, median of `repeats`), interpolated linearly in between.
+  the first prompt's cache (FORWARD_GRID, median of `repeats`), interpolated linearly in between, times
+  a load factor: every verification forward's measured ms over the curve's (decayed sums, LOAD_DECAY),
+  so a curve measured during a load spike (or a machine that gets busier later) is rescaled online.
 - fixed: the iteration's cost outside the target forward and the tree's drafter rounds (verification,
   the loop's bookkeeping, the drafter's advance), the running mean of what the loop measured.
 - The tree's depth: before each further drafter round (an EAGLE step, a SpecBlock block round) the
@@ -47,6 +49,10 @@ from typing import Callable, NamedTuple
 FORWARD_GRID = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 C_MIN, C_MAX = 0.05, 2.0
 PRIOR = 4.0  # pseudo-counts behind c = 1 before any iteration
+# The load factor follows the machine: an iteration's weight halves after ~3 iterations; clipped so that
+# one stalled forward cannot swing the model by more than 4x either way.
+LOAD_DECAY = 0.8
+LOAD_MIN, LOAD_MAX = 0.25, 4.0
 
 
 @dataclass
@@ -115,10 +121,28 @@ class AutoBudget:
     rounds: int = 0  # tree drafter rounds after the first (whose logits come with the root), their seconds
     round_total_ms: float = 0.0
     draft_total_ms: float = 0.0
+    forward_seen_ms: float = 0.0  # decayed sums of measured and curve-modelled verification forwards
+    forward_modelled_ms: float = 0.0
 
     @property
     def c(self) -> float:
         return min(C_MAX, max(C_MIN, (PRIOR + self.accepted) / (PRIOR + self.predicted)))
+
+    @property
+    def load(self) -> float:
+        """Measured over modelled verification forward time (1 before any)."""
+        if self.forward_modelled_ms <= 0:
+            return 1.0
+        return min(LOAD_MAX, max(LOAD_MIN, self.forward_seen_ms / self.forward_modelled_ms))
+
+    def forward(self, n: int) -> float:
+        """Modelled ms of a target forward over n tokens now: the curve times the load factor."""
+        return self.load * self.curve(n)
+
+    def observe_forward(self, tokens: int, seconds: float) -> None:
+        """A verification forward over `tokens` tokens took `seconds`."""
+        self.forward_seen_ms = LOAD_DECAY * self.forward_seen_ms + seconds * 1e3
+        self.forward_modelled_ms = LOAD_DECAY * self.forward_modelled_ms + self.curve(tokens)
 
     @property
     def fixed_ms(self) -> float:
@@ -129,7 +153,7 @@ class AutoBudget:
         confidences = sorted((math.exp(s) for s in scores), reverse=True)
         if not confidences:
             return 0
-        b = choose_budget(confidences, self.curve, self.fixed_ms, self.c).size
+        b = choose_budget(confidences, self.forward, self.fixed_ms, self.c).size
         self.chosen.append(b)
         return b
 
@@ -142,9 +166,9 @@ class AutoBudget:
         node's so far): whether children as likely as their parents (optimistic: a_child <= a_parent) could
         raise the best modelled rate once that round's drafting (`round_ms`) is paid."""
         conf = sorted((math.exp(s) for s in scores), reverse=True)
-        now = choose_budget(conf, self.curve, self.fixed_ms, self.c).rate if conf else 0.0
+        now = choose_budget(conf, self.forward, self.fixed_ms, self.c).rate if conf else 0.0
         hoped = sorted(conf + [math.exp(s) for s in frontier], reverse=True)
-        return choose_budget(hoped, self.curve, self.fixed_ms + self.round_ms, self.c).rate > now
+        return choose_budget(hoped, self.forward, self.fixed_ms + self.round_ms, self.c).rate > now
 
     def observe_rounds(self, rounds: int, seconds: float) -> None:
         self.rounds += rounds
@@ -156,7 +180,7 @@ class AutoBudget:
 
     def _chain_rate(self, confidences: list[float], n: int) -> float:
         gain = 1.0 + self.c * sum(confidences[:n])
-        return gain / (self.fixed_ms + n * self.draft_ms + self.curve(n + 1))
+        return gain / (self.fixed_ms + n * self.draft_ms + self.forward(n + 1))
 
     def draft_more(self, confidences: list[float]) -> bool:
         """Chains: after drafting len(confidences) tokens, whether one more could raise the best rate."""
@@ -167,7 +191,7 @@ class AutoBudget:
     def choose_length(self, confidences: list[float]) -> int:
         """Chains: the best length among the drafted tokens (their drafting is paid)."""
         fixed = self.fixed_ms + len(confidences) * self.draft_ms
-        b = choose_budget(confidences, self.curve, fixed, self.c).size
+        b = choose_budget(confidences, self.forward, fixed, self.c).size
         self.chosen.append(b)
         return b
 

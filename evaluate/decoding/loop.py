@@ -329,6 +329,8 @@ class SpeculativeDecoder:
         target_before = self.target.seconds
         features, logits = self.target.forward([out[-1], *tree.tokens[1:]], [-1, *tree.parents[1:]])
         target_seconds = self.target.seconds - target_before
+        if self.auto is not None:  # the load factor of the auto budget's forward curve
+            self.auto.observe_forward(len(tree.tokens), target_seconds)
         t0, drafted_before = time.perf_counter(), self.drafter.cost.seconds
         verified = self._verify(draft, logits, base, book, gen)
         # drafter calls made for a continuation's draft laws count as drafting, not verification

@@ -44,6 +44,23 @@ def test_auto_budget_learns_its_calibration_online():
     assert auto.choose(scores) < first and auto.chosen == [first, auto.chosen[-1]]
 
 
+def test_a_curve_measured_under_load_is_rescaled_by_the_verification_forwards():
+    true = ForwardCurve([1, 64], [50.0, 680.0])
+    spiked = ForwardCurve([1, 64], [150.0, 2040.0])  # measured while the machine was 3x slower
+    scores = [math.log(a) for a in (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1)]
+    fair, loaded = AutoBudget(curve=true), AutoBudget(curve=spiked)
+    for auto in (fair, loaded):
+        auto.observe(scores, accepted=3, fixed_seconds=0.05)
+    assert loaded.choose(scores) < fair.choose(scores)  # the spike makes width look dear
+    for n in (4, 8, 6, 10):  # the forwards the loop then measures cost what the true curve says
+        loaded.observe_forward(n, true(n) / 1e3)
+    assert loaded.load == pytest.approx(1 / 3) and loaded.forward(9) == pytest.approx(true(9))
+    assert loaded.choose(scores) == fair.choose(scores)
+    stalled = AutoBudget(curve=true)
+    stalled.observe_forward(4, 100.0)  # one forward stalled for 100 s: the factor is clipped
+    assert stalled.load == 4.0 and AutoBudget(curve=true).load == 1.0
+
+
 def test_tree_budget_config():
     cfg = OmegaConf.to_object(
         OmegaConf.merge(OmegaConf.structured(EvalConfig), {"trees": {"specblock": {"budget": "auto"}}})
