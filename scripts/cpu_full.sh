@@ -9,6 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 py=.venv/bin/python
 export WANDB_MODE="${WANDB_MODE:-offline}"
+export PYTHONUNBUFFERED=1  # the log shows each line as it is written (validation results included)
 # Steps for about 90 minutes each on this session's 2-core AMD EPYC (measured at the start of session 6,
 # shared with test runs: ~28-40 s per SpecBlock step of 8 rows of ~350 tokens; EAGLE-3 ~1/3 of that).
 # The curriculum ends halfway; milestones every ~20 minutes of training for the scaling curve.
