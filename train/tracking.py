@@ -39,6 +39,21 @@ def log0(msg: str) -> None:
         logger.info(msg)
 
 
+HEADLINE = ("top1", "accept_len", "rank_acc")  # metric names the console lines show
+
+
+def headline(metrics: Mapping[str, float], prefix: str) -> str:
+    """The first block's headline metrics among those named `prefix`... ("train/" or "val/"), as
+    "accept_len 0.1634, rank_acc_0 0.5998, top1_0 0.1380, ..." (every metric goes to the tracker)."""
+    n = len(prefix)
+    shown = {
+        k[n:]: v
+        for k, v in metrics.items()
+        if k.startswith(prefix) and "/" not in k[n:] and any(h in k[n:] for h in HEADLINE)
+    }
+    return ", ".join(f"{k} {v:.4f}" for k, v in sorted(shown.items()))
+
+
 def redact_secrets(config: Any) -> Any:
     """A copy of a nested config (dicts/lists) with the values of secret-looking keys replaced."""
     if isinstance(config, Mapping):

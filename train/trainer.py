@@ -49,7 +49,7 @@ from .checkpoint import (
 from .ratios import Sums, ratios
 from .optim import OptimConfig, build_optimizer, build_scheduler
 from .strategy import COUNT_SUFFIX, SCALAR_PREFIX, SUM_SUFFIX, DrafterStrategy, StepOutput
-from .tracking import TRACKERS, NullTracker, accelerate_log_with, log0, make_tracker
+from .tracking import TRACKERS, NullTracker, accelerate_log_with, headline, log0, make_tracker
 from .validation import Validator, write_best
 
 MIXED_PRECISION = ("no", "bf16", "fp16", "auto")
@@ -441,6 +441,10 @@ def _loop(run: _Run, strategy: DrafterStrategy, tracker, validation: Validator |
                 metrics = _log_metrics(run, window)
                 tracker.log(metrics, step=step)
                 bar.set_postfix(loss=f"{metrics['train/loss']:.4f}")
+                log0(
+                    f"step {step}: loss {metrics['train/loss']:.4f}, lr {metrics['train/lr']:.2e}, "
+                    f"{metrics['train/tokens_per_s']:.0f} tok/s, {headline(metrics, 'train/')}"
+                )  # the console and the job's log file (every metric goes to the tracker)
                 window = MetricWindow(run.accelerator.device)
             best = False
             if validation is not None and (step % cfg.eval_every == 0 or last):

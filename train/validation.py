@@ -30,12 +30,11 @@ from specblock.data.io import write_json_atomic
 
 from .ratios import Sums
 from .strategy import DrafterStrategy
-from .tracking import log0
+from .tracking import headline, log0
 
 BEST_FILE = "best.json"
 # What the trainer's reduced window holds besides the strategy's metrics: not validation results.
 _TRAINING_ONLY = ("tokens_per_s", "grad_norm", "lr")
-HEADLINE = ("top1", "accept_len", "rank_acc")  # metric names the console line shows
 
 
 @dataclass
@@ -139,12 +138,8 @@ class Validator:
         improved = self.best.improves(self.last[key], self.best_mode)
         if improved:
             self.best.step, self.best.value = step, self.last[key]
-        shown = {  # the first block's headline metrics on the console; every metric goes to the tracker
-            k: v for k, v in self.last.items() if "/" not in k[4:] and any(n in k for n in HEADLINE)
-        }
         log0(
-            f"step {step} validation: "
-            + ", ".join(f"{k[4:]} {v:.4f}" for k, v in sorted(shown.items()))
+            f"step {step} validation: {headline(self.last, 'val/')}"
             + (" (best)" if improved else f" (best {self.best.value:.4f} at step {self.best.step})")
         )
         return improved

@@ -3,6 +3,7 @@ export -> load back; a run killed mid-way and resumed ends bit-identical to an u
 offline features and the EAGLE-3 baseline go through the same loop."""
 
 import importlib.resources
+import logging
 import json
 from pathlib import Path
 
@@ -151,7 +152,8 @@ def test_baseline_and_offline_features_run_the_same_loop(make_cfg, name, feature
         assert (folder / "model.safetensors").exists() == (name == "eagle3")
 
 
-def test_validation_keeps_and_exports_the_best_step(make_cfg):
+def test_validation_keeps_and_exports_the_best_step(make_cfg, caplog):
+    caplog.set_level(logging.INFO, logger="specblock.train")
     cfg = make_cfg(
         out="val",
         validation=ValidationConfig(fraction=0.25, seed=1),
@@ -162,8 +164,15 @@ def test_validation_keeps_and_exports_the_best_step(make_cfg):
         keep_last=1,
         best_metric="kl_0",
         best_mode="min",
+        log_every=3,
     )
     metrics = run_mod.train(cfg)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
+    # the console (and the job's log file) shows each logging window and each validation, not W&B only
+    assert [line.split(":")[0] for line in lines] == [
+        "step 2 validation", "step 3", "step 4 validation", "step 6", "step 6 validation"
+    ]  # fmt: skip
+    assert "top1_0 " in lines[1] and "lr " in lines[1] and "tok/s" in lines[1] and "accept_len" in lines[0]
     assert 0 < metrics["val/top1_0"] <= 1 and "val/accept_len" in metrics and "val/rank_acc_0" in metrics
     best = read_best(cfg.output_dir)
     assert best["metric"] == "val/kl_0" and best["step"] in (2, 4, 6)
