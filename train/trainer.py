@@ -102,6 +102,11 @@ class TrainerConfig:
             raise ValueError(
                 "save_every, keep_last, keep_every, num_workers and group_by_length must be >= 0"
             )
+        if self.keep_every and (not self.save_every or self.keep_every % self.save_every):
+            raise ValueError(  # a milestone that is never saved cannot be kept
+                f"keep_every={self.keep_every} must be a multiple of save_every={self.save_every} "
+                "(milestones are kept from the checkpoints saved every save_every steps)"
+            )
         if self.eval_every < 0 or self.best_mode not in ("max", "min"):
             raise ValueError(
                 f"eval_every must be >= 0 and best_mode max|min, got {self.eval_every}, {self.best_mode}"

@@ -76,6 +76,8 @@ def test_optim_config_rejects(bad):
         dict(max_steps=2, mixed_precision="fp8"),
         dict(max_steps=2, logger="tensorboard"),
         dict(max_steps=2, grad_accum=0),
+        dict(max_steps=2, save_every=25, keep_every=40),  # milestones 40, 80, ... are never saved
+        dict(max_steps=2, save_every=0, keep_every=40),
     ],
 )
 def test_trainer_config_rejects(bad, tmp_path):
