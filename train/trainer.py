@@ -102,11 +102,6 @@ class TrainerConfig:
             raise ValueError(
                 "save_every, keep_last, keep_every, num_workers and group_by_length must be >= 0"
             )
-        if self.keep_every and (not self.save_every or self.keep_every % self.save_every):
-            raise ValueError(  # a milestone that is never saved cannot be kept
-                f"keep_every={self.keep_every} must be a multiple of save_every={self.save_every} "
-                "(milestones are kept from the checkpoints saved every save_every steps)"
-            )
         if self.eval_every < 0 or self.best_mode not in ("max", "min"):
             raise ValueError(
                 f"eval_every must be >= 0 and best_mode max|min, got {self.eval_every}, {self.best_mode}"
@@ -115,6 +110,15 @@ class TrainerConfig:
             raise ValueError(f"mixed_precision={self.mixed_precision!r}; expected one of {MIXED_PRECISION}")
         if self.logger not in TRACKERS:
             raise ValueError(f"logger={self.logger!r}; expected one of {TRACKERS}")
+
+    def check_milestones(self) -> None:
+        """Refuse milestones that are never saved (checked when a run starts, not when a saved run's
+        config is read back: runs saved before this check still load)."""
+        if self.keep_every and (not self.save_every or self.keep_every % self.save_every):
+            raise ValueError(
+                f"keep_every={self.keep_every} must be a multiple of save_every={self.save_every} "
+                "(milestones are kept from the checkpoints saved every save_every steps)"
+            )
 
 
 def resolve_mixed_precision(mode: str) -> str:
@@ -491,6 +495,7 @@ def fit(
     drafter again (under ZeRO-3 its parameters stay partitioned: read the final checkpoint with
     `checkpoint.read_model_state`) and `strategy.teacher` the original teacher.
     """
+    cfg.check_milestones()
     run_config = run_config if run_config is not None else asdict(cfg)
     teacher = getattr(strategy, "teacher", None)
     if cfg.group_by_length and lengths is None:

@@ -216,6 +216,7 @@ def test_every_experiment_composes_and_validates(experiment):
         cfg = compose("train", overrides=[f"experiment={experiment}"])
     config = OmegaConf.to_object(cfg)
     assert isinstance(config, TrainConfig) and config.trainer.output_dir == config.output_dir
+    config.trainer.check_milestones()  # what fit() checks first
     with initialize_config_module("specblock.configs", version_base=None):
         assert (
             OmegaConf.to_object(

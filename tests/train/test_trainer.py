@@ -76,13 +76,19 @@ def test_optim_config_rejects(bad):
         dict(max_steps=2, mixed_precision="fp8"),
         dict(max_steps=2, logger="tensorboard"),
         dict(max_steps=2, grad_accum=0),
-        dict(max_steps=2, save_every=25, keep_every=40),  # milestones 40, 80, ... are never saved
-        dict(max_steps=2, save_every=0, keep_every=40),
     ],
 )
 def test_trainer_config_rejects(bad, tmp_path):
     with pytest.raises(ValueError):
         TrainerConfig(output_dir=str(tmp_path), **bad)
+
+
+@pytest.mark.parametrize("save_every", [25, 0])
+def test_milestones_that_are_never_saved_are_refused(save_every, tmp_path):
+    cfg = TrainerConfig(output_dir=str(tmp_path), max_steps=2, save_every=save_every, keep_every=40)
+    with pytest.raises(ValueError, match="keep_every=40 must be a multiple of save_every"):
+        cfg.check_milestones()  # fit() calls it before anything else
+    TrainerConfig(output_dir=str(tmp_path), max_steps=2, save_every=20, keep_every=40).check_milestones()
 
 
 def test_epoch_sampler_is_seeded_and_starts_midway():
