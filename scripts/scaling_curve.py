@@ -39,6 +39,24 @@ def run_config(run: Path):
     return str(cfg.drafter.name), target
 
 
+def wanted(args) -> dict:
+    return {"datasets": list(args.datasets), "limit": args.limit, "max_new_tokens": args.max_new_tokens}
+
+
+def settings(results: Path) -> Path:
+    return results.parent / "curve_settings.json"
+
+
+def cached(results: Path, args) -> bool:
+    """Whether a checkpoint's evaluation can be reread: made with these settings and holding every
+    dataset asked for (a set skipped for want of its files is evaluated again next time)."""
+    if not (results.is_file() and settings(results).is_file()):
+        return False
+    if json.loads(settings(results).read_text()) != wanted(args):
+        return False
+    return set(args.datasets) <= {r["dataset"] for r in read_jsonl(results)}
+
+
 def point(run: Path, step: Path, args) -> dict:
     """Export + evaluate one checkpoint (cached); returns its curve point."""
     out = run / "curve" / step.name
@@ -47,7 +65,7 @@ def point(run: Path, step: Path, args) -> dict:
         export_from_checkpoint(run, step.name, str(drafter))
     results = out / "eval" / "results.jsonl"
     name, target = run_config(run)
-    if not results.is_file():
+    if not cached(results, args):
         cfg = EvalConfig(
             run_name=f"curve-{run.name}-{step.name}",
             output_dir=str(out / "eval"),
@@ -60,6 +78,7 @@ def point(run: Path, step: Path, args) -> dict:
             target=target,
         )
         evaluate(cfg)
+        settings(results).write_text(json.dumps(wanted(args)))
     rows = read_jsonl(results)
     meta = read_meta(step)
     cells = {(r["dataset"], r["method"]): r["metrics"]["block_efficiency"] for r in rows}
