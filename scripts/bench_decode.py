@@ -309,7 +309,9 @@ def parse_args(argv: list[str] | None):
     )
     ap.add_argument("--dataset", default="humaneval")
     ap.add_argument(
-        "--local-root", default="auto", help="evaluation files (auto: ../shared/datasets if present)"
+        "--local-root",
+        default="auto",
+        help="evaluation files (auto: $SPECBLOCK_DATASETS when set, else the hub)",
     )
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--max-prompt-tokens", type=int, default=512)
