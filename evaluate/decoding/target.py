@@ -54,7 +54,12 @@ class TargetSession:
                     depth[i] = depth[p] + 1
                     own[i] = own[p]
                 own[i, i] = True
-        mask = torch.cat([torch.ones(n, past, dtype=torch.bool), own], dim=1)[None, None].to(dev)
+        seen = torch.cat([torch.ones(n, past, dtype=torch.bool), own], dim=1)[None, None].to(dev)
+        # An additive float mask (0 where a node attends, the dtype's minimum elsewhere): every attention
+        # implementation reads it the same way. A boolean 4-D mask is read as "True = attend" by sdpa but
+        # is added to the scores as 0/1 by transformers' eager attention, which then masks nothing.
+        dtype = self.target.model.dtype
+        mask = torch.zeros(seen.shape, dtype=dtype, device=dev).masked_fill(~seen, torch.finfo(dtype).min)
         pos = (torch.tensor(depth) + past)[None].to(dev)
         start = time.perf_counter()
         out = self.target.model.base_model(

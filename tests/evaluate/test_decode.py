@@ -247,6 +247,29 @@ def test_target_session_tree_forward_matches_plain_forward(greedy_setup):
     assert torch.allclose(nxt[0], ref, atol=1e-5)
 
 
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_target_session_is_right_under_every_attention_implementation(attn):
+    """The session's 4-D tree mask must mean the same to every implementation: a boolean mask was read
+    as "True = attend" by sdpa but added to the scores by eager attention (which then masked nothing:
+    the prefill saw future tokens, and the loop's target, the autoregressive baseline included, was
+    another model that greedy equality could not notice)."""
+    from tiny_models import tiny_llama
+
+    from specblock.data.target import FeatureTarget
+
+    model = tiny_llama(VOCAB, seed=3, attn_implementation=attn)
+    assert model.config._attn_implementation == attn
+    ids = [3, 8, 1, 4, 6, 2, 5]
+    with torch.no_grad():
+        full = model(torch.tensor([ids])).logits[0].float()
+    s = TargetSession(FeatureTarget(model))
+    s.reset()
+    _, prefill = s.forward(ids[:4])
+    assert torch.allclose(prefill, full[:4], atol=1e-5)
+    _, logits = s.forward([ids[4], 9, ids[5]], [-1, -1, 0])  # two children of the cache's last token
+    assert torch.allclose(logits[0], full[4], atol=1e-5) and torch.allclose(logits[2], full[5], atol=1e-5)
+
+
 def test_drafts_tree_merges_shared_prefixes():
     tree, nodes = drafts_tree([[5, 6, 7], [5, 6, 8], [4, 6, 7]])
     assert len(tree) == 1 + 4 + 3  # 5, 6, 7, 8 | 4, 6, 7
