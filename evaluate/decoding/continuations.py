@@ -10,10 +10,15 @@ beyond it and for EAGLE-3 it costs drafter calls from the old root's cache, coun
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from specblock.evaluate.decoding.drafting import Prefix, Root
 from specblock.evaluate.decoding.trees import DraftTree
+
+
+def _into(law: Tensor, out: Tensor | None) -> Tensor:
+    return law if out is None else out.copy_(law)
 
 
 class Level:
@@ -27,14 +32,17 @@ class Level:
         self.memo: dict[Prefix, Tensor] = {}
         self.lookups = None  # (target_at, draft_at) relative to the block start, made once per level
 
-    def law(self, g: Prefix) -> Tensor:
+    def law(self, g: Prefix, out: Tensor | None = None) -> Tensor:
+        """The [V] law after g; a new one is computed into `out` when given (and kept: the caller must not
+        write to `out` afterwards), a known one copied there."""
         if len(g) >= self.horizon:
-            return self.book.plain[g]
-        if g not in self.memo:
-            if self.cont is None:
-                raise RuntimeError(f"frozen continuation asked for an uncommitted prefix of length {len(g)}")
-            self.memo[g] = self.cont(g[self.start :], *self._lookups(g[: self.start]))
-        return self.memo[g]
+            return _into(self.book.plain[g], out)
+        if g in self.memo:
+            return _into(self.memo[g], out)
+        if self.cont is None:
+            raise RuntimeError(f"frozen continuation asked for an uncommitted prefix of length {len(g)}")
+        self.memo[g] = law = self.cont(g[self.start :], *self._lookups(g[: self.start]), out=out)
+        return law
 
     def _lookups(self, base: Prefix) -> tuple:
         """(target_at, draft_at) relative to the block start `base`, made once: every prefix asked
@@ -79,18 +87,35 @@ class LawBook:
         self.plain: dict[Prefix, Tensor] = {}
         self.levels: list[Level] = []  # in force, oldest first
 
-    def law(self, g: Prefix) -> Tensor:
-        return self.levels[-1].law(g) if self.levels else self.plain[g]
+    def law(self, g: Prefix, out: Tensor | None = None) -> Tensor:
+        """The [V] law the next verification reads after g, written into `out` when given (Level.law)."""
+        return self.levels[-1].law(g, out) if self.levels else _into(self.plain[g], out)
+
+    def laws(self, prefixes: list[list[Prefix]]) -> Tensor:
+        """[K, L+1, V]: the law after each prefix, each row written once into one new tensor (a
+        continuation's rows are computed in place there; a prefix several drafts share is copied)."""
+        flat = [g for row in prefixes for g in row]
+        like = next(iter(self.plain.values()))  # the rows of this iteration's forward (add_rows)
+        out = torch.empty(len(flat), like.shape[-1], dtype=like.dtype, device=like.device)
+        seen: dict[Prefix, int] = {}
+        for n, g in enumerate(flat):
+            if g in seen:
+                out[n].copy_(out[seen[g]])
+            else:
+                seen[g] = n
+                self.law(g, out[n])
+        return out.view(len(prefixes), len(prefixes[0]), -1)
 
     def prefetch(self, queries: list[Prefix]) -> None:
         """Before `law` is asked for `queries`: every live level computes the draft laws it will read for
         them and their prefixes in batched drafter calls (EAGLE-3 beyond the old drafts, SpecBlock beyond
         its first block)."""
-        if not self.levels:
+        live = [lv for lv in self.levels if lv.cont is not None]  # frozen levels read no draft law
+        if not live:
             return
-        low = min(lv.start for lv in self.levels)
+        low = min(lv.start for lv in live)
         closed = {g[:m] for g in queries for m in range(low, len(g) + 1)}
-        for lv in self.levels:
+        for lv in live:
             lv.prefetch(closed)
 
     def add_rows(self, base: Prefix, tree: DraftTree, laws: Tensor) -> None:
@@ -109,6 +134,10 @@ class LawBook:
         for lv in self.levels[:-1]:
             if lv.cont is not None and len(out) >= lv.horizon:
                 lv.freeze(out)
+        # a frozen level is read only by the next one (its `prev`): keep the one before the oldest live
+        # level, drop the rest (at temperature > 0 with short acceptances they piled up, one per iteration)
+        first = next((i for i, lv in enumerate(self.levels) if lv.cont is not None), len(self.levels))
+        self.levels = self.levels[max(first - 1, 0) :]
         live = [lv.start for lv in self.levels if lv.cont is not None]
         keep = min(live) if live else len(out)
         self.plain = {

@@ -369,7 +369,7 @@ class SpeculativeDecoder:
         L = draft.tokens.shape[1]
         prefixes = [[base + tuple(row[:i]) for i in range(L + 1)] for row in draft.tokens.tolist()]
         book.prefetch([g for row in prefixes for g in row])
-        target_probs = torch.stack([torch.stack([book.law(g) for g in row]) for row in prefixes])
+        target_probs = book.laws(prefixes)  # [K, L+1, V]
         res = self.verifier(target_probs, draft.probs, draft.tokens, sampler=gen)
         return Verified(
             draft.nodes[res.draft_index][1 : res.num_accepted + 1], res.next_token, res.continuation

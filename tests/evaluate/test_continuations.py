@@ -1,0 +1,79 @@
+"""What a cross-iteration verifier's continuation costs in the loop (evaluate/decoding/continuations.py):
+its rows come out normalised without an extra pass over the vocabulary, and the levels the LawBook keeps
+stay bounded however long the generation."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from specblock.evaluate.decoding.continuations import LawBook
+from specblock.evaluate.decoding.loop import DecodeConfig, SpeculativeDecoder
+from specblock.evaluate.verify.greedy_block import RGBVContinuation, Stage, row_law
+
+from tiny_decoding import PROMPT, drafters, tiny_target
+
+
+def test_continuation_rows_are_normalised_by_the_coupling_mass_bit_for_bit():
+    """The row after a stage is (q - lam p)_+ divided by S(lam), the mass the coupling already summed:
+    bitwise the same float32 row as dividing by its own sum (the old, one pass longer computation)."""
+    gen = torch.Generator().manual_seed(0)
+    V, n = 4096, 3
+    laws = {}
+
+    def law_at(kind):
+        def at(y):
+            key = (kind, tuple(y))
+            if key not in laws:
+                laws[key] = torch.softmax(3 * torch.randn(V, generator=gen), -1)  # float32, as in the loop
+            return laws[key]
+
+        return at
+
+    target_at, draft_at = law_at("q"), law_at("p")
+    cont = RGBVContinuation((Stage((1, 2, 0), 0), Stage((5, 0, 3), 0), Stage((7, 7, 7), 0)), n)  # nothing committed
+    checked, y, alive = 0, (), []
+    for _ in range(n):  # live prefixes: each extends the last by a token its continuation row keeps
+        alive.append(y)
+        y += (int(cont(y, target_at, draft_at).argmax()),)
+    for y in alive:
+        got = cont(y, target_at, draft_at)
+        coupling = cont._coupling(target_at, draft_at)
+        row = coupling.law(len(cont.stages), y)
+        old = row_law(coupling.rows, y, row)
+        assert torch.equal(got, old / old.sum()), y
+        checked += row.token is None and row.lam > 0
+    assert checked >= n  # the live rows are residuals: the path that skips the sum
+
+
+def test_frozen_levels_do_not_pile_up():
+    """SpecTr-GBV at T > 0 with a poor drafter: blocks are rejected early, so a new continuation comes into
+    force every iteration and the old ones freeze. The book keeps the live levels and the one frozen level
+    the oldest live one reads, at most L + 1, however many iterations pass without a reset."""
+    target = tiny_target(64, 1.0)
+    drafter = copy.deepcopy(drafters(target)["eagle3"])
+    with torch.no_grad():
+        drafter.lm_head.weight.add_(
+            torch.randn(drafter.lm_head.weight.shape, generator=torch.Generator().manual_seed(0))
+        )
+    L = 3
+    seen, run, longest = [], [0], [0]
+    carry = LawBook.carry
+
+    def recording(book, *args):
+        carry(book, *args)
+        run[0] = run[0] + 1 if book.levels else 0  # iterations since the book last dropped every level
+        longest[0] = max(longest[0], run[0])
+        seen.append(len(book.levels))
+
+    LawBook.carry = recording
+    try:
+        cfg = DecodeConfig("iid", "spectr_gbv", 3, L, 1.0, max_new_tokens=40)
+        dec = SpeculativeDecoder(target, drafter, cfg)
+        for seed in range(3):
+            dec.generate(PROMPT, seed=seed)
+    finally:
+        LawBook.carry = carry
+    assert longest[0] > 2 * (L + 1)  # long enough that unpruned levels would exceed the bound
+    assert max(seen) <= L + 1
