@@ -32,7 +32,8 @@ def test_continuation_rows_are_normalised_by_the_coupling_mass_bit_for_bit():
         return at
 
     target_at, draft_at = law_at("q"), law_at("p")
-    cont = RGBVContinuation((Stage((1, 2, 0), 0), Stage((5, 0, 3), 0), Stage((7, 7, 7), 0)), n)  # nothing committed
+    stages = (Stage((1, 2, 0), 0), Stage((5, 0, 3), 0), Stage((7, 7, 7), 0))  # nothing committed
+    cont = RGBVContinuation(stages, n)
     checked, y, alive = 0, (), []
     for _ in range(n):  # live prefixes: each extends the last by a token its continuation row keeps
         alive.append(y)
