@@ -6,8 +6,9 @@
    `python -m specblock.train` process (one accelerate state per run);
 2. evaluation on GSM8K, HumanEval, MGSM, LM1B and Alpaca (small limits): at temperature 0 the two
    dynamic trees, standard speculative decoding and prompt lookup (no drafter) against autoregressive
-   decoding (tokens per target call and drafting cost), at temperature > 0 every verifier on the
-   SpecBlock drafter's drafts, and prompt lookup;
+   decoding (tokens per target call, drafting cost, speedup), in bf16 where the machine has bf16 units,
+   with draft sizes chosen from measured costs (`stage_overrides`); at temperature > 0 every verifier on
+   the SpecBlock drafter's drafts, and prompt lookup, in float32;
 3. the results tables, printed and written to checkpoints/run/.
 
 A stage whose outputs exist and match is skipped: the data stage checks its manifest, a training run
@@ -90,14 +91,21 @@ def train_stage(drafter: str, extra: list[str]) -> Path:
     return export
 
 
-def eval_stage(name: str, overrides: list[str]) -> list[dict]:
-    from specblock.evaluate.config import EvalConfig, register_configs
-    from specblock.evaluate.reporting.report import read_jsonl
-    from specblock.evaluate.run import evaluate
+def compose_eval(name: str, overrides: list[str]):
+    """The evaluation stage `name`'s config (configs/eval.yaml with `overrides`), unresolved."""
+    from specblock.evaluate.config import register_configs
 
     register_configs()
     with initialize_config_module("specblock.configs", version_base=None):
-        cfg = compose("eval", overrides=[f"run_name={name}", f"output_dir={OUT}/{name}", *overrides])
+        return compose("eval", overrides=[f"run_name={name}", f"output_dir={OUT}/{name}", *overrides])
+
+
+def eval_stage(name: str, overrides: list[str]) -> list[dict]:
+    from specblock.evaluate.config import EvalConfig
+    from specblock.evaluate.reporting.report import read_jsonl
+    from specblock.evaluate.run import evaluate
+
+    cfg = compose_eval(name, overrides)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     out = Path(resolved["output_dir"])
     if (out / "results.jsonl").exists() and (out / "config.json").exists():
@@ -109,45 +117,70 @@ def eval_stage(name: str, overrides: list[str]) -> list[dict]:
     return evaluate(config, resolved)
 
 
-def main(argv: list[str] | None = None) -> None:
-    setup_logging()
-    p = argparse.ArgumentParser(prog="specblock run", description=__doc__.split("\n\n")[0])
-    p.add_argument("--limit", type=int, default=2, help="prompts per dataset (default 2)")
-    p.add_argument("--max-new-tokens", type=int, default=48)
-    p.add_argument("--temperature", type=float, default=0.7, help="of the verifier comparison (default 0.7)")
-    p.add_argument(
-        "--train", nargs="*", default=[], help="extra training overrides, e.g. trainer.max_steps=60"
-    )
-    p.add_argument(
-        "--local-root", default="auto", help="evaluation files (auto: $SPECBLOCK_DATASETS when set)"
-    )
-    args = p.parse_args(argv)
-    start = time.perf_counter()
-    exports = {d: train_stage(d, args.train) for d in DRAFTERS}
+GREEDY_METHODS = "[autoregressive,lookup,chain-token,tree]"
+SAMPLED_METHODS = (
+    "[autoregressive,lookup,chain-token,chain-block,chain-greedy_block,iid-spectr,iid-rrs,iid-spectr_gbv]"
+)
+
+
+def stage_overrides(args: argparse.Namespace, exports: dict[str, Path]) -> tuple[list[str], list[str]]:
+    """The two evaluation stages' overrides of configs/eval.yaml.
+
+    greedy (T = 0): the speed table, in the precision one deploys in (`--dtype`, default auto: bf16 where
+    the CPU or GPU has bf16 units) with the machine choosing each tree's size and each chain's length
+    from measured costs (budget=auto, draft_length=auto; evaluate/decoding/budget.py); autoregressive
+    decoding runs in the same precision. In bf16 a few generations may differ from bf16 autoregressive
+    decoding (near-ties between forwards of different shapes); the report counts them.
+    sampled (T > 0): every verifier on the SpecBlock drafter's drafts, in float32 (fixed K and L).
+    """
     common = [
         f"limit={args.limit}",
         f"max_new_tokens={args.max_new_tokens}",
         f"local_root={'null' if args.local_root in ('none', 'null') else args.local_root}",
         f"drafters.specblock={exports['specblock']}",
     ]
-    greedy = eval_stage(
-        "greedy",
-        [
-            *common,
-            f"drafters.eagle3={exports['eagle3']}",
-            "temperature=0",
-            "methods=[autoregressive,lookup,chain-token,tree]",
-        ],
+    greedy = [
+        *common,
+        f"drafters.eagle3={exports['eagle3']}",
+        "temperature=0",
+        f"methods={GREEDY_METHODS}",
+        f"target.dtype={args.dtype}",
+    ]
+    if args.auto:
+        greedy += ["draft_length=auto", *(f"trees.{d}.budget=auto" for d in DRAFTERS)]
+    sampled = [*common, "~drafters.eagle3", f"temperature={args.temperature}", f"methods={SAMPLED_METHODS}"]
+    return greedy, sampled
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="specblock run", description=__doc__.split("\n\n")[0])
+    p.add_argument("--limit", type=int, default=2, help="prompts per dataset (default 2)")
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--temperature", type=float, default=0.7, help="of the verifier comparison (default 0.7)")
+    p.add_argument(
+        "--dtype", default="auto", help="target and drafters at T = 0 (auto: bf16 where supported; float32)"
     )
-    sampled = eval_stage(  # the verifier comparison, on the SpecBlock drafter's drafts only
-        "sampled",
-        [
-            *common,
-            "~drafters.eagle3",
-            f"temperature={args.temperature}",
-            "methods=[autoregressive,lookup,chain-token,chain-block,chain-greedy_block,iid-spectr,iid-rrs,iid-spectr_gbv]",
-        ],
+    p.add_argument(
+        "--fixed-size", dest="auto", action="store_false",
+        help="T = 0 with the trees' fixed budgets and L = 4 chains instead of sizes chosen from measured costs",
+    )  # fmt: skip
+    p.add_argument(
+        "--train", nargs="*", default=[], help="extra training overrides, e.g. trainer.max_steps=60"
     )
+    p.add_argument(
+        "--local-root", default="auto", help="evaluation files (auto: $SPECBLOCK_DATASETS when set)"
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    setup_logging()
+    args = build_parser().parse_args(argv)
+    start = time.perf_counter()
+    exports = {d: train_stage(d, args.train) for d in DRAFTERS}
+    greedy_overrides, sampled_overrides = stage_overrides(args, exports)
+    greedy = eval_stage("greedy", greedy_overrides)
+    sampled = eval_stage("sampled", sampled_overrides)  # the verifier comparison, SpecBlock's drafts only
     log.info(f"\n[run] done in {(time.perf_counter() - start) / 60:.1f} min; tables in {OUT}/greedy/results.md and "
           f"{OUT}/sampled/results.md ({len(greedy)} + {len(sampled)} records)")  # fmt: skip
 

@@ -10,9 +10,15 @@ import torch
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from specblock.data.target import TINY_TARGET_DIR, TargetConfig, ensure_embedded_target, load_target
+from specblock.data.target import (
+    TINY_TARGET_DIR,
+    TargetConfig,
+    auto_dtype,
+    ensure_embedded_target,
+    load_target,
+)
 from specblock.evaluate.config import METHODS, EvalConfig, parse_method, register_configs
-from specblock.evaluate.pipeline import config_diff
+from specblock.evaluate.pipeline import DRAFTERS, build_parser, compose_eval, config_diff, stage_overrides
 from specblock.evaluate.reporting.report import read_jsonl
 from specblock.evaluate.run import evaluate
 from specblock.train.export import export_drafter
@@ -49,6 +55,25 @@ def test_every_drafter_is_registered_with_both_stages():
 
     assert set(DRAFTING_SPECS) == set(TRAIN_SPECS) and {"specblock", "eagle3"} <= set(TRAIN_SPECS)
     assert set(EvalConfig().trees) == set(DRAFTING_SPECS)  # every drafter's default tree shape
+
+
+@pytest.mark.parametrize("argv", [[], ["--dtype", "float32", "--fixed-size"]])
+def test_main_job_stages_compose(argv):
+    """`specblock run`'s two evaluation stages compose into valid configs: by default the speed table
+    (T = 0) runs in the deployment precision (auto) with draft sizes chosen from measured costs; the
+    verifier comparison (T > 0) in float32 with fixed K and L."""
+    exports = {d: f"checkpoints/quick-{d}/drafter" for d in DRAFTERS}
+    overrides = stage_overrides(build_parser().parse_args(argv), exports)
+    greedy, sampled = (
+        OmegaConf.to_object(compose_eval(n, o)) for n, o in zip(("greedy", "sampled"), overrides)
+    )
+    auto = not argv
+    assert greedy.temperature == 0 and set(greedy.drafters) == set(DRAFTERS) and "lookup" in greedy.methods
+    assert greedy.target.dtype == (auto_dtype(greedy.target.device) if auto else "float32")  # auto, resolved
+    assert (greedy.draft_length == "auto") == auto
+    assert all((greedy.trees[d].budget == "auto") == auto for d in DRAFTERS)
+    assert sampled.temperature > 0 and set(sampled.drafters) == {"specblock"} and sampled.draft_length == 4
+    assert sampled.target.dtype == "float32" and "iid-spectr_gbv" in sampled.methods
 
 
 def test_config_diff_names_keys_and_ignores_logging():
