@@ -30,8 +30,9 @@ done
 echo "== $(date -u +%H:%M) scaling curve"
 "$py" scripts/scaling_curve.py checkpoints/cpu_full-specblock checkpoints/cpu_full-eagle3 --out docs/scaling_curve
 
-echo "== $(date -u +%H:%M) evaluation of the best checkpoints"
-"$py" -m specblock.evaluate run_name=cpu_full target.dtype=float32 limit=4 max_new_tokens=64 \
+echo "== $(date -u +%H:%M) speed of the best checkpoints (deployment precision, sizes from measured costs)"
+"$py" -m specblock.evaluate run_name=cpu_full target.dtype=auto limit=3 max_new_tokens=64 \
   'drafters={specblock: checkpoints/cpu_full-specblock/drafter, eagle3: checkpoints/cpu_full-eagle3/drafter}' \
+  draft_length=auto trees.specblock.budget=auto trees.eagle3.budget=auto \
   'methods=[autoregressive,lookup,chain-token,tree]'
 echo "== $(date -u +%H:%M) done"

@@ -82,6 +82,7 @@ def point(run: Path, step: Path, args) -> dict:
     rows = read_jsonl(results)
     meta = read_meta(step)
     cells = {(r["dataset"], r["method"]): r["metrics"]["block_efficiency"] for r in rows}
+    calls = {(r["dataset"], r["method"]): r["metrics"]["drafter_calls_per_token"] for r in rows}
     return {
         "run": run.name,
         "drafter": name,
@@ -91,16 +92,20 @@ def point(run: Path, step: Path, args) -> dict:
         "tree_gsm8k": cells.get(("gsm8k", f"{name}:tree")),
         "tree_overall": cells.get(("overall", f"{name}:tree")),
         "chain_overall": cells.get(("overall", f"{name}:chain-token")),
+        "tree_calls_per_token": calls.get(("overall", f"{name}:tree")),
     }
 
 
 def table(points: list[dict]) -> str:
-    head = "| run | step | training tokens | training minutes | tree GSM8K | tree overall | chain overall |"
-    lines = [head, "|---|---|---|---|---|---|---|"]
+    head = (
+        "| run | step | training tokens | training minutes | tree GSM8K | tree overall | chain overall "
+        "| tree drafter calls / token |"
+    )
+    lines = [head, "|---|---|---|---|---|---|---|---|"]
     for p in points:
         cells = [
-            f"{p[k]:.2f}" if p[k] is not None else "–"
-            for k in ("tree_gsm8k", "tree_overall", "chain_overall")
+            f"{p[k]:.2f}" if p.get(k) is not None else "–"
+            for k in ("tree_gsm8k", "tree_overall", "chain_overall", "tree_calls_per_token")
         ]
         lines.append(
             f"| {p['run']} | {p['step']} | {p['tokens']:,} | {p['minutes']:.0f} | " + " | ".join(cells) + " |"
