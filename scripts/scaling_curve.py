@@ -4,6 +4,7 @@ Markdown table and a plot against training tokens and training wall-clock.
 
     python scripts/scaling_curve.py checkpoints/cpu_full-specblock checkpoints/cpu_full-eagle3
     python scripts/scaling_curve.py RUN [RUN ...] --limit 4 --max-new-tokens 64 --out docs/scaling_curve
+    python scripts/scaling_curve.py RUN [RUN ...] --steps 180 400 480   # these first, the rest later
 
 Checkpoints are the step folders a run kept (`trainer.keep_every` milestones, the best and the last
 ones); each is exported once to `<run>/curve/<step>/drafter` and evaluated once (`<run>/curve/<step>/eval`,
@@ -54,7 +55,8 @@ def cached(results: Path, args) -> bool:
         return False
     if json.loads(settings(results).read_text()) != wanted(args):
         return False
-    return set(args.datasets) <= {r["dataset"] for r in read_jsonl(results)}
+    have = {r["dataset"] for r in read_jsonl(results)}  # MGSM is recorded per language: mgsm_en, ...
+    return all(d in have or any(h.startswith(f"{d}_") for h in have) for d in args.datasets)
 
 
 def point(run: Path, step: Path, args) -> dict:
@@ -94,6 +96,18 @@ def point(run: Path, step: Path, args) -> dict:
         "chain_overall": cells.get(("overall", f"{name}:chain-token")),
         "tree_calls_per_token": calls.get(("overall", f"{name}:tree")),
     }
+
+
+def chosen(run: Path, args) -> list[Path]:
+    """The run's kept checkpoints to put on the curve: all, or with --steps those steps and the ones
+    whose evaluation is cached already (a long curve done in parts, the points that matter first)."""
+    steps = list_checkpoints(run)
+    if not args.steps:
+        return steps
+    return [
+        s for s in steps
+        if read_meta(s)["step"] in args.steps or cached(run / "curve" / s.name / "eval" / "results.jsonl", args)
+    ]  # fmt: skip
 
 
 def table(points: list[dict]) -> str:
@@ -142,9 +156,13 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--datasets", nargs="+", default=DATASETS)
     ap.add_argument("--local-root", default="auto")
+    ap.add_argument(
+        "--steps", nargs="+", type=int,
+        help="evaluate only these steps now (checkpoints already evaluated stay in the table); default all",
+    )  # fmt: skip
     ap.add_argument("--out", type=Path, default=Path("docs/scaling_curve"), help="writes OUT.md and OUT.png")
     args = ap.parse_args()
-    points = [point(run, step, args) for run in args.runs for step in list_checkpoints(run)]
+    points = [point(run, step, args) for run in args.runs for step in chosen(run, args)]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     text = table(points)
     args.out.with_suffix(".md").write_text(text)

@@ -1,0 +1,52 @@
+"""scripts/scaling_curve.py: which checkpoints a curve evaluates now and which cached evaluations it rereads."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+from pathlib import Path
+
+_spec = importlib.util.spec_from_file_location(
+    "scaling_curve", Path(__file__).resolve().parents[2] / "scripts" / "scaling_curve.py"
+)
+curve = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(curve)
+
+
+def fake_run(root: Path, steps: list[int], evaluated: dict[int, list[str]]) -> Path:
+    """A run folder with complete checkpoints at `steps`; `evaluated[step]` = the datasets its cached curve
+    evaluation holds (as the evaluation app records them: MGSM per language, plus `overall`)."""
+    for step in steps:
+        folder = root / f"step_{step:06d}"
+        folder.mkdir(parents=True)
+        (folder / "meta.json").write_text(json.dumps({"step": step, "tokens": step * 10, "train_ms": step}))
+    for step, sets in evaluated.items():
+        ev = root / "curve" / f"step_{step:06d}" / "eval"
+        ev.mkdir(parents=True)
+        lines = [json.dumps({"dataset": d, "method": "x:tree", "metrics": {}}) for d in [*sets, "overall"]]
+        (ev / "results.jsonl").write_text("\n".join(lines) + "\n")
+        (ev / "curve_settings.json").write_text(json.dumps(curve.wanted(ARGS)))
+    return root
+
+
+ARGS = argparse.Namespace(datasets=list(curve.DATASETS), limit=3, max_new_tokens=64, steps=None)
+
+
+def test_cached_evaluations_are_reread_and_incomplete_ones_redone(tmp_path):
+    every = ["gsm8k", "humaneval", "mgsm_en", "lm1b", "alpaca"]  # MGSM as recorded: per language
+    run = fake_run(tmp_path, [100, 200, 300], {100: every, 200: ["humaneval"]})
+    results = lambda step: run / "curve" / f"step_{step:06d}" / "eval" / "results.jsonl"  # noqa: E731
+    assert curve.cached(results(100), ARGS)
+    assert not curve.cached(results(200), ARGS)  # HumanEval only (a run without the evaluation files)
+    assert not curve.cached(results(300), ARGS)
+    other = argparse.Namespace(**{**vars(ARGS), "limit": 4})
+    assert not curve.cached(results(100), other)  # made with other settings
+
+
+def test_steps_choose_what_is_evaluated_now_and_keep_cached_points(tmp_path):
+    every = ["gsm8k", "humaneval", "mgsm_en", "lm1b", "alpaca"]
+    run = fake_run(tmp_path, [100, 200, 300, 400], {100: every})
+    names = lambda args: [p.name for p in curve.chosen(run, args)]  # noqa: E731
+    assert names(ARGS) == ["step_000100", "step_000200", "step_000300", "step_000400"]
+    assert names(argparse.Namespace(**{**vars(ARGS), "steps": [400]})) == ["step_000100", "step_000400"]
