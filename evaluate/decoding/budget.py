@@ -161,14 +161,20 @@ class AutoBudget:
     def round_ms(self) -> float:
         return self.round_total_ms / self.rounds if self.rounds else 0.0
 
-    def more_rounds(self, scores: list[float], frontier: list[float]) -> bool:
+    def more_rounds(self, scores: list[float], frontier: list[float]) -> int:
         """Trees: before another drafter round expanding `frontier` (its nodes' scores; `scores`: every
-        node's so far): whether children as likely as their parents (optimistic: a_child <= a_parent) could
-        raise the best modelled rate once that round's drafting (`round_ms`) is paid."""
+        node's so far): how many frontier nodes are worth expanding, 0 for none. Children as likely as
+        their parents (optimistic: a_child <= a_parent) must raise the best modelled rate once that round's
+        drafting (`round_ms`) is paid; then only the frontier nodes whose children could be among that
+        optimistic best budget's nodes are worth it (a child is never likelier than its parent)."""
         conf = sorted((math.exp(s) for s in scores), reverse=True)
         now = choose_budget(conf, self.forward, self.fixed_ms, self.c).rate if conf else 0.0
-        hoped = sorted(conf + [math.exp(s) for s in frontier], reverse=True)
-        return choose_budget(hoped, self.forward, self.fixed_ms + self.round_ms, self.c).rate > now
+        front = [math.exp(s) for s in frontier]
+        hoped = sorted(conf + front, reverse=True)
+        best = choose_budget(hoped, self.forward, self.fixed_ms + self.round_ms, self.c)
+        if best.rate <= now:
+            return 0
+        return sum(a >= hoped[best.size - 1] for a in front)
 
     def observe_rounds(self, rounds: int, seconds: float) -> None:
         self.rounds += rounds

@@ -123,8 +123,10 @@ def specblock_tree(root: Root, cfg: TreeConfig, more: MoreRounds | None = None) 
         if step == cfg.steps - 1 or not pending:
             break
         pending = sorted(pending, key=lambda leaf: (-leaf.score, leaf.node))[: cfg.beam]
-        if more is not None and not more(tree.score[1:], [leaf.score for leaf in pending]):
-            break
+        if more is not None:  # the auto budget: only the leaves whose blocks could be kept (budget.py)
+            pending = pending[: more(tree.score[1:], [leaf.score for leaf in pending])]
+            if not pending:
+                break
         blocks = _next_blocks(root, tree, blocks, pending)
     return tree.pruned(cfg.drafted).tree
 

@@ -18,8 +18,9 @@ if TYPE_CHECKING:
 
 Prefix = tuple[int, ...]
 AUTO = "auto"  # TreeConfig.budget: chosen per iteration (evaluate/decoding/budget.py)
-# (scores of the tree's nodes so far, scores of the nodes the next round would expand) -> draft that round?
-MoreRounds = Callable[[list[float], list[float]], bool]
+# (scores of the tree's nodes so far, scores of the nodes the next round would expand) -> how many of those
+# nodes (the likeliest first) the round should expand; 0: draft no further round
+MoreRounds = Callable[[list[float], list[float]], int]
 
 
 @dataclass

@@ -89,6 +89,18 @@ def test_draft_length_auto_config():
         EvalConfig(draft_length="long")
 
 
+def test_a_tree_round_expands_only_the_leaves_that_could_be_kept():
+    """A frontier node whose children (never likelier than it) could not be among the optimistic best
+    budget's nodes is not worth a drafter row: SpecBlock's round then starts blocks from fewer leaves."""
+    auto = AutoBudget(curve=ForwardCurve([1, 2, 4, 8], [50.0, 55.0, 65.0, 85.0]))  # width costs
+    scores = [math.log(0.9), math.log(0.6)]
+    frontier = [math.log(a) for a in (0.8, 0.7, 0.05, 0.01)]
+    n = auto.more_rounds(scores, frontier)
+    assert n == 2  # the two likely leaves; children of 0.05 and 0.01 would not pay for their width
+    free = AutoBudget(curve=ForwardCurve([1, 64], [50.0, 50.0]))  # width is free: every leaf may pay
+    assert free.more_rounds(scores, frontier) == len(frontier)
+
+
 def test_more_tree_rounds_only_while_they_can_pay():
     auto = AutoBudget(curve=ForwardCurve([1, 64], [50.0, 50.0]))  # width is free
     scores, frontier = [math.log(0.9), math.log(0.5)], [math.log(0.5), math.log(0.45)]

@@ -453,6 +453,30 @@ def test_auto_tree_stops_drafting_rounds_that_cannot_pay(greedy_setup, drafter, 
         assert all(it.drafter_calls == 1 for it in out.iterations[:-1])  # the advance only
 
 
+def test_specblock_round_starts_blocks_from_the_leaves_the_budget_keeps(greedy_setup, monkeypatch):
+    """budget=auto: the second block round starts blocks only from the leaves `more_rounds` counts (the
+    likeliest first), one drafter row each, and the decoding stays exact."""
+    from specblock.evaluate.decoding import budget, drafters
+
+    target, ds = greedy_setup
+    frozen_auto(monkeypatch, ms_per_token=0.0)
+    monkeypatch.setattr(budget.AutoBudget, "more_rounds", lambda self, scores, frontier: 2)
+    rows = []
+    next_blocks = drafters._next_blocks
+    monkeypatch.setattr(
+        drafters,
+        "_next_blocks",
+        lambda r, t, b, leaves: rows.append(len(leaves)) or next_blocks(r, t, b, leaves),
+    )
+    tree = TreeConfig(budget="auto", max_budget=12, steps=2, beam=4, topk=4)
+    dec = SpeculativeDecoder(
+        target, ds["specblock"], DecodeConfig("tree", temperature=0.0, max_new_tokens=16, tree=tree)
+    )
+    ar = DecodeConfig(mode="autoregressive", temperature=0.0, max_new_tokens=16)
+    assert dec.generate(PROMPT).tokens == SpeculativeDecoder(target, None, ar).generate(PROMPT).tokens
+    assert rows and set(rows) == {2}
+
+
 def test_auto_draft_length_is_refused_where_the_length_is_a_horizon():
     for mode, verifier, k in (("iid", "spectr", 2), ("chain", "greedy_block", 1), ("tree", "token", 1)):
         with pytest.raises(ValueError, match="draft_length=auto"):
