@@ -44,6 +44,11 @@ def wanted(args) -> dict:
     return {"datasets": list(args.datasets), "limit": args.limit, "max_new_tokens": args.max_new_tokens}
 
 
+def results_of(run: Path, step: Path) -> Path:
+    """Where a checkpoint's curve evaluation is written (and reread)."""
+    return run / "curve" / step.name / "eval" / "results.jsonl"
+
+
 def settings(results: Path) -> Path:
     return results.parent / "curve_settings.json"
 
@@ -65,12 +70,12 @@ def point(run: Path, step: Path, args) -> dict:
     drafter = out / "drafter"
     if not (drafter / "config.json").is_file():
         export_from_checkpoint(run, step.name, str(drafter))
-    results = out / "eval" / "results.jsonl"
+    results = results_of(run, step)
     name, target = run_config(run)
     if not cached(results, args):
         cfg = EvalConfig(
             run_name=f"curve-{run.name}-{step.name}",
-            output_dir=str(out / "eval"),
+            output_dir=str(results.parent),
             drafters={name: str(drafter)},
             methods=["tree", "chain-token"],
             datasets=args.datasets,
@@ -106,7 +111,7 @@ def chosen(run: Path, args) -> list[Path]:
         return steps
     return [
         s for s in steps
-        if read_meta(s)["step"] in args.steps or cached(run / "curve" / s.name / "eval" / "results.jsonl", args)
+        if read_meta(s)["step"] in args.steps or cached(results_of(run, s), args)
     ]  # fmt: skip
 
 

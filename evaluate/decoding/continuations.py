@@ -15,10 +15,7 @@ from torch import Tensor
 
 from specblock.evaluate.decoding.drafting import Prefix, Root
 from specblock.evaluate.decoding.trees import DraftTree
-
-
-def _into(law: Tensor, out: Tensor | None) -> Tensor:
-    return law if out is None else out.copy_(law)
+from specblock.evaluate.verify.residuals import into
 
 
 class Level:
@@ -36,9 +33,9 @@ class Level:
         """The [V] law after g; a new one is computed into `out` when given (and kept: the caller must not
         write to `out` afterwards), a known one copied there."""
         if len(g) >= self.horizon:
-            return _into(self.book.plain[g], out)
+            return into(self.book.plain[g], out)
         if g in self.memo:
-            return _into(self.memo[g], out)
+            return into(self.memo[g], out)
         if self.cont is None:
             raise RuntimeError(f"frozen continuation asked for an uncommitted prefix of length {len(g)}")
         self.memo[g] = law = self.cont(g[self.start :], *self._lookups(g[: self.start]), out=out)
@@ -89,7 +86,7 @@ class LawBook:
 
     def law(self, g: Prefix, out: Tensor | None = None) -> Tensor:
         """The [V] law the next verification reads after g, written into `out` when given (Level.law)."""
-        return self.levels[-1].law(g, out) if self.levels else _into(self.plain[g], out)
+        return self.levels[-1].law(g, out) if self.levels else into(self.plain[g], out)
 
     def laws(self, prefixes: list[list[Prefix]]) -> Tensor:
         """[K, L+1, V]: the law after each prefix, each row written once into one new tensor (a

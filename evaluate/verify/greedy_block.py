@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .base import LawAt, VerifyOutput, check_inputs, register_verifier
-from .residuals import Prefix, Rows, residual_law, residual_masses, token_probs, working
+from .residuals import Prefix, Rows, into, residual_law, residual_masses, token_probs, working
 from .randomness import ACC_DTYPE, Sampler, backward_scan, make_sampler
 
 
@@ -180,24 +180,20 @@ class RGBVContinuation:
         (the decoding loop passes its row of the next verification's [K, L+1, V] input: no copy)."""
         prefix = tuple(prefix)
         if len(prefix) >= self.horizon or committed_reach(self.stages, prefix) < len(prefix):
-            return _into(target_probs_at(prefix), out)  # past the horizon, or probability 0: the target
+            return into(target_probs_at(prefix), out)  # past the horizon, or probability 0: the target
         coupling = self._coupling(target_probs_at, draft_probs_at)
         j = len(self.stages)
         if coupling.joint(j, prefix) <= 0.0:  # the prefix has probability 0 under T: any law will do
-            return _into(target_probs_at(prefix), out)
+            return into(target_probs_at(prefix), out)
         row, rows = coupling.law(j, prefix), coupling.rows
         if row.token is not None or row.lam == 0.0:
             law = row_law(rows, prefix, row)
-            return _into(law / law.sum(), out)
+            return into(law / law.sum(), out)
         # (q - lam p)_+ over its mass S(lam), which the coupling has already summed (the same float ops, so
         # the same value as its sum): one pass over V less than normalising by the sum, and no second tensor
         q = working(rows.target_at(prefix))
         law = torch.sub(q, rows.draft_at(prefix).to(q.dtype), alpha=row.lam, out=out)
         return law.clamp_(min=0).div_(rows.mass(prefix, row.lam))
-
-
-def _into(law: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-    return law if out is None else out.copy_(law)
 
 
 # A row law along the drafts' own paths: (lam, token, S) = a point mass on `token`, else (q - lam p)_+ with

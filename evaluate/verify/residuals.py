@@ -66,6 +66,11 @@ def residual_masses(q: torch.Tensor, p: torch.Tensor, lams: list[float]) -> list
     return diff.clamp_(min=0).sum(-1).tolist()
 
 
+def into(law: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """`law` itself, or copied into `out` when the caller gives a row to fill."""
+    return law if out is None else out.copy_(law)
+
+
 def working(t: torch.Tensor) -> torch.Tensor:
     """t itself if float32/float64, else a float32 copy (bf16/fp16 are too coarse for residuals)."""
     return t if t.dtype in (torch.float32, torch.float64) else t.float()
