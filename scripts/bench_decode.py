@@ -178,7 +178,12 @@ def auto_budget_lines(decs: dict[str, dict[str, SpeculativeDecoder]]) -> list[st
 
 def run_decoding(args, models: dict[str, torch.nn.Module], eos, prompts) -> dict[tuple[str, str], Split]:
     """Every (dtype, method) on every prompt, interleaved, `repeats` times after one warm-up prompt."""
-    decs = {dt: decoders(args, m, eos) for dt, m in models.items()}
+    return interleave({dt: decoders(args, m, eos) for dt, m in models.items()}, args, prompts)
+
+
+def interleave(decs: dict[str, dict[str, SpeculativeDecoder]], args, prompts) -> dict[tuple[str, str], Split]:
+    """Every decoder of `decs` (dtype -> name -> decoder; autoregressive first) on every prompt,
+    interleaved, `args.repeats` times after one warm-up prompt of `args.warmup_tokens` tokens."""
     for per_dtype in decs.values():  # warm-up: first-call allocations and kernel selection
         for dec in per_dtype.values():
             dec.generate(prompts[0][: args.warmup_tokens])
