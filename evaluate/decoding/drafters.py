@@ -145,14 +145,15 @@ def _next_blocks(root: Root, tree: DraftTree, blocks: list[Block], leaves: list[
 
 
 def _leaf_caches(sources: list[tuple[DraftCache, int, int]]) -> DraftCache:
-    """Batch the caches of leaves started from slot m of a block whose K entries end each cache: every
-    row keeps its block's slots <= m visible and hides the later ones."""
+    """Batch the caches (batch 1) of leaves started from slot m of a block whose K entries are the last K
+    entries its cache shows: every row keeps the block's slots <= m visible and hides the later ones.
+    Leaves of one block share its stored entries (a shared cache, no copy of the context per leaf)."""
     caches = []
     for cache, m, K in sources:
-        n = len(cache)
-        vis = cache.visible.clone() if cache.visible is not None else torch.ones(1, n, dtype=torch.bool)
-        vis[:, n - K + m + 1 :] = False
-        caches.append(DraftCache(cache.keys, cache.values, vis.to(cache.keys[0].device)))
+        vis = cache.visible.clone() if cache.visible is not None else cache.all_visible(1)
+        block = vis[0].nonzero().flatten()[-K:]  # the block's own entries (appended after all it sees)
+        vis[0, block[m + 1 :]] = False
+        caches.append(DraftCache(cache.keys, cache.values, vis))
     return stack_caches(caches)
 
 

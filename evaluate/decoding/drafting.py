@@ -211,9 +211,15 @@ class DrafterSession:
 
 
 def stack_caches(caches: list[DraftCache]) -> DraftCache:
-    """Batch rows of equal-length caches (each of batch 1) into one cache of batch n."""
-    if len(caches) == 1:
-        return caches[0]
+    """Batch rows of equal-length caches (each of batch 1) into one cache of batch n. Caches that hold
+    the same stored entries (rows of one batched call, leaves of one block) become one shared cache
+    (DraftCache.shared: their visibility rows over one copy); others are copied into n batch rows."""
+    first = caches[0]
+    if len(caches) == 1 or not first.keys:  # one row, or a drafter without attention layers
+        return first
+    if all(c.keys[0] is first.keys[0] and c.values[0] is first.values[0] for c in caches):
+        vis = [c.visible if c.visible is not None else c.all_visible(1) for c in caches]
+        return DraftCache(first.keys, first.values, torch.cat(vis))
     keys = [torch.cat([c.keys[i] for c in caches]) for i in range(len(caches[0].keys))]
     values = [torch.cat([c.values[i] for c in caches]) for i in range(len(caches[0].values))]
     vis = None

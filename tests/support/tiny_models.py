@@ -127,7 +127,9 @@ def distill_strategy(name: str, loss=None, *, vocab_size: int = 48, draft_vocab:
         for p in module.parameters():
             p.add_(0.05 * torch.randn_like(p))
     loss = loss if loss is not None else LossConfig(curriculum=CurriculumConfig(0, 10), rank_budget=2)
-    return train_spec(name).strategy(module, target, [2, 3, 4], loss, StrategyConfig(num_ttt_blocks=2, seed=1))
+    return train_spec(name).strategy(
+        module, target, [2, 3, 4], loss, StrategyConfig(num_ttt_blocks=2, seed=1)
+    )
 
 
 def save_chat_data(tiny_chat, root, questions: list[str], answer: str, extra_rows: tuple = ()):

@@ -312,6 +312,33 @@ def test_draft_cache_rows_and_visibility():
     assert same(a, b)
 
 
+@pytest.mark.parametrize("name", ["specblock", "eagle3"])
+def test_draft_over_shared_rows_equals_copied_rows(name):
+    """Leaves that share one stored cache (DraftCache.shared: a visibility row each, the entries once)
+    draft what the same leaves draft from copies of the cache, and so do the blocks started from them
+    (append_rows: each row sees its own new entries only)."""
+    drafter, _, feats, ids = make(name)
+    past = drafter.extend(feats[:1, :3], ids[:1, :3]).cache  # batch 1
+    rows = past.rows(torch.tensor([0, 0, 0]))
+    assert rows.shared() and rows.keys[0] is past.keys[0]
+    vis = rows.visible.clone()
+    vis[1, -1], vis[2, :2] = False, False  # the rows hide different entries
+    shared = DraftCache(past.keys, past.values, vis)
+    copied = DraftCache([k.expand(3, -1, -1, -1).contiguous() for k in past.keys],
+                        [v.expand(3, -1, -1, -1).contiguous() for v in past.values], vis)  # fmt: skip
+    where, position = torch.tensor([3, 3, 4]), torch.tensor([3, 3, 4])
+    a = drafter.draft(feats[0, where], ids[0, where], shared, position=position)
+    b = drafter.draft(feats[0, where], ids[0, where], copied, position=position)
+    assert a.cache.shared() and a.cache.keys[0].shape[0] == 1  # the new entries are stored once too
+    for x, y in zip(a[:3], b[:3]):
+        assert (x is None and y is None) or same(x, y), name
+    token = ids[1, where]
+    a2 = drafter.draft(a.hidden[:, -1], token, a.cache, position=position, offset=1, inherited=True)
+    b2 = drafter.draft(b.hidden[:, -1], token, b.cache, position=position, offset=1, inherited=True)
+    assert same(a2.logits, b2.logits), name
+    assert not torch.allclose(a2.logits[0], a2.logits[1], atol=1e-3)  # rows 0 and 1 saw different entries
+
+
 # ---------------------------------------------------------------- EAGLE-3 TTT
 
 

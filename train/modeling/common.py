@@ -260,6 +260,12 @@ class DraftCache:
     `crop(n)` drops everything after entry n: back to the committed context, or to "block 1 up to slot
     m" (n = committed*K + m + 1 right after drafting block 1 at the last position). `rows(idx)` selects
     or repeats batch rows, one per leaf to expand.
+
+    Shared rows: a cache whose entries are stored once (batch 1) with a `visible` row per leaf [n, N]
+    (`shared()`) stands for n caches that differ only in what they hide. `rows` of a batch-1 cache gives
+    that form without copying the entries, and a drafter's `draft` over it runs the n leaves as one row
+    of n*K' queries (`rows_mask`, `append_rows`): the committed context is neither copied per leaf nor
+    attended to in n separate batch rows.
     """
 
     keys: list[Tensor]
@@ -274,8 +280,46 @@ class DraftCache:
         return DraftCache([k[:, :, :n] for k in self.keys], [v[:, :, :n] for v in self.values], vis)
 
     def rows(self, index: Tensor) -> DraftCache:
+        """Rows `index` (selected or repeated). A batch-1 cache keeps its one copy of the entries and
+        gives each row its own visibility (the shared form); a batch-n cache copies the rows."""
+        if not self.keys:  # a drafter without attention layers keeps nothing
+            return self
+        if self.keys[0].shape[0] == 1:
+            vis = self.visible if self.visible is not None else self.all_visible(1)
+            return DraftCache(
+                self.keys, self.values, vis[torch.zeros_like(index) if vis.shape[0] == 1 else index]
+            )
         vis = None if self.visible is None else self.visible[index]
         return DraftCache([k[index] for k in self.keys], [v[index] for v in self.values], vis)
+
+    def shared(self) -> bool:
+        """Whether several rows share one stored copy of the entries (keys batch 1, `visible` [n, N])."""
+        return (
+            bool(self.keys)
+            and self.keys[0].shape[0] == 1
+            and self.visible is not None
+            and self.visible.shape[0] > 1
+        )
+
+    def rows_mask(self, own: Tensor) -> Tensor:
+        """For a shared cache of n rows whose new queries run as ONE row of n*K' (row b's K' queries
+        after row b-1's): own [1,1,nK',nK'] mask among them -> [1,1,nK',N+nK'] over [cache ; new], row b's
+        queries seeing the entries row b sees."""
+        n, L = self.visible.shape[0], own.shape[-1]
+        per_query = self.visible.repeat_interleave(L // n, dim=0)  # [nK', N]
+        return torch.cat([per_query[None, None], own], dim=-1)
+
+    def append_rows(self, kv: list[KV]) -> DraftCache:
+        """After a `rows_mask` call: its n*K' new entries (batch 1) appended once; row b sees its own K'."""
+        n, new = self.visible.shape[0], kv[0][0].shape[2]
+        own = torch.eye(n, dtype=torch.bool, device=self.visible.device).repeat_interleave(new // n, dim=1)
+        keys = [torch.cat([k, nk], 2) for k, (nk, _) in zip(self.keys, kv)]
+        values = [torch.cat([v, nv], 2) for v, (_, nv) in zip(self.values, kv)]
+        return DraftCache(keys, values, torch.cat([self.visible, own], dim=1))
+
+    def all_visible(self, rows: int) -> Tensor:
+        """A [rows, N] visibility that hides nothing."""
+        return torch.ones(rows, len(self), dtype=torch.bool, device=self.keys[0].device)
 
     def layer(self, i: int) -> KV:
         return self.keys[i], self.values[i]
@@ -283,11 +327,9 @@ class DraftCache:
     def key_mask(self, own: Tensor) -> Tensor:
         """own [B|1,1,L,L] mask among the new entries -> [B,1,L,N+L] over [cache ; new]."""
         B, L = self.keys[0].shape[0], own.shape[-1]
-        vis = (
-            self.visible
-            if self.visible is not None
-            else torch.ones(B, len(self), dtype=torch.bool, device=own.device)
-        )
+        if self.shared():
+            raise ValueError("a shared cache's rows are drafted through rows_mask / append_rows")
+        vis = self.visible if self.visible is not None else self.all_visible(B)
         return torch.cat([vis[:, None, None, :].expand(B, 1, L, len(self)), own.expand(B, 1, L, L)], dim=-1)
 
     def append(self, kv: list[KV]) -> DraftCache:
@@ -302,6 +344,11 @@ class DraftCache:
     @staticmethod
     def from_kv(kv: list[KV]) -> DraftCache:
         return DraftCache([k for k, _ in kv], [v for _, v in kv])
+
+
+def row_starts(position: int | Tensor, n: int, device: torch.device) -> Tensor:
+    """[1, n]: the start position of each of n rows drafted as one row (an int or a [n] tensor)."""
+    return torch.as_tensor(position, device=device).reshape(-1).expand(n)[None]
 
 
 def position_ids(position: int | Tensor, B: int, n: int, device: torch.device) -> Tensor:

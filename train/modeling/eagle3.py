@@ -36,6 +36,7 @@ from .common import (
     frozen_embedding,
     grid_mask,
     position_ids,
+    row_starts,
     shift_left,
     slot_mask,
 )
@@ -167,10 +168,19 @@ class Eagle3Drafter(nn.Module):
         entries of positions < t) or [B,H] the previous step's hidden (inherited=True, offset = s,
         past = step-0 entries of positions <= t + the path's earlier steps); token [B].
         Returns logits [B,1,Vd], hidden [B,1,H], no rank logits, and the cache with this step's entry
-        appended."""
+        appended. A shared `past` (DraftCache.shared) runs the B rows as one row of B queries."""
         expected = self.hidden_size if inherited else self.feature_size
         if condition.shape[-1] != expected:
             raise ValueError(f"condition has width {condition.shape[-1]}, expected {expected}")
+        if past is not None and past.shared():  # one copy of the entries: the rows as one row of B
+            h = (condition if inherited else self.fc(condition))[None]  # [1,B,H]
+            B = h.shape[1]
+            own = slot_mask(B, 1, None, earlier=False, same_slots=None, device=h.device)  # each sees itself
+            pos = row_starts(position + offset, B, h.device)
+            h, kv = self._step(h, token[None], pos, past.rows_mask(own), [past.layer(0)])
+            return DraftStep(
+                self.lm_head(self.norm(h[0]))[:, None], h[0][:, None], None, past.append_rows([kv])
+            )
         h = (condition if inherited else self.fc(condition))[:, None]  # [B,1,H]
         own = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=h.device)
         mask = own.expand(h.shape[0], -1, -1, -1) if past is None else past.key_mask(own)

@@ -45,6 +45,7 @@ from .common import (
     frozen_embedding,
     grid_mask,
     position_ids,
+    row_starts,
     shift_left,
     slot_mask,
 )
@@ -320,11 +321,28 @@ class SpecBlockDrafter(nn.Module):
         logits [B,K,Vd], hidden [B,K,H], rank_logits [B,K,C], cache with the block's K entries appended.
         Block 1 at context position t: past = block-1 entries of positions < t. A block started from
         slot m of the block just drafted: past.crop(len(past) - K + m + 1), condition = its hidden[:, m],
-        token = the token chosen at slot m, offset = previous offset + m + 1, inherited=True."""
+        token = the token chosen at slot m, offset = previous offset + m + 1, inherited=True.
+        A shared `past` (DraftCache.shared: one copy of the entries, a visibility row per leaf) runs the
+        B blocks as one row of B*K queries, each block seeing its row's entries and its own slots."""
+        if past is not None and past.shared():
+            return self._draft_rows(condition, token, past, position + offset, inherited)
         step = self.extend(
             condition[:, None], token[:, None], past, position=position, offset=offset, inherited=inherited
         )
         return DraftStep(step.logits[:, 0], step.hidden[:, 0], step.rank_logits[:, 0], step.cache)
+
+    def _draft_rows(
+        self, condition: Tensor, token: Tensor, past: DraftCache, start: int | Tensor, inherited: bool
+    ) -> DraftStep:
+        """`draft` over a shared cache: condition [n,*], token [n], start: position + offset per row."""
+        cond = self._condition(condition, inherited)[None]  # [1,n,H]: the n blocks as n "positions"
+        n = cond.shape[1]
+        own = slot_mask(n, self.block_size, None, earlier=False, same_slots=None, device=cond.device)
+        pos = row_starts(start, n, cond.device) + 1  # [1,n] RoPE id of each block's slot 0
+        extra = [past.layer(i) for i in range(len(self.layers))]
+        hidden, kv = self._block(cond, token[None], pos, past.rows_mask(own), extra)
+        out = self._heads(hidden)
+        return DraftStep(out.logits[0], out.hidden[0], out.rank_logits[0], past.append_rows(kv))
 
     def _condition(self, condition: Tensor, inherited: bool) -> Tensor:
         expected = self.hidden_size if inherited else self.feature_size

@@ -1,0 +1,71 @@
+"""A/B, side by side in one process: tree drafting with the leaves of one block (or one round) sharing
+one stored copy of the drafter's cache (now: DraftCache.shared, one row of n*K' queries) or with the
+cache copied into one batch row per leaf (before session 8). bench_decode.py's interleaved runner and
+table: bf16, T = 0, 1 thread, prompts interleaved, median of the repeats.
+
+    SPECBLOCK_DATASETS=../shared/datasets python scripts/ab_shared_cache.py [--drafter DIR] [--prompts 3]
+"""
+
+import sys
+
+import torch
+
+sys.path.insert(0, "scripts")
+import bench_decode as bd
+from specblock.data.logs import setup_logging
+from specblock.data.target import TargetConfig, load_target
+from specblock.evaluate.decoding import drafters, drafting
+from specblock.train.modeling.common import DraftCache
+
+OLD = "tree@auto, cache copied per leaf"
+shared_stack = drafting.stack_caches
+
+
+def copied_stack(caches: list[DraftCache]) -> DraftCache:
+    """The rule before: every leaf's cache copied into its own batch row."""
+    if len(caches) == 1:
+        return caches[0]
+    keys = [torch.cat([c.keys[i] for c in caches]) for i in range(len(caches[0].keys))]
+    values = [torch.cat([c.values[i] for c in caches]) for i in range(len(caches[0].values))]
+    vis = torch.cat([c.visible if c.visible is not None else c.all_visible(1) for c in caches])
+    return DraftCache(keys, values, vis)
+
+
+class Copied:
+    """A decoder that drafts with copied caches while it generates."""
+
+    def __init__(self, dec):
+        self.dec = dec
+
+    def __getattr__(self, name):
+        return getattr(self.dec, name)
+
+    def generate(self, *args, **kwargs):
+        drafting.stack_caches = drafters.stack_caches = copied_stack
+        try:
+            return self.dec.generate(*args, **kwargs)
+        finally:
+            drafting.stack_caches = drafters.stack_caches = shared_stack
+
+
+def main(argv: list[str] | None = None) -> None:
+    setup_logging()
+    defaults = [
+        "--methods",
+        "autoregressive",
+        "tree@auto",
+        "--drafter",
+        "checkpoints/cpu_full-specblock/drafter",
+    ]
+    defaults += ["--dataset", "gsm8k", "--max-new-tokens", "64", "--repeats", "2", "--threads", "1"]
+    args = bd.parse_args([*defaults, *(sys.argv[1:] if argv is None else argv), "--dtype", "bfloat16"])
+    torch.set_num_threads(args.threads)
+    model, tok = load_target(TargetConfig(name_or_path=args.target, dtype="bfloat16"))
+    prompts, eos = bd.load_prompts(args, tok), bd.eos_ids(tok, model)
+    decs = bd.decoders(args, model, eos)
+    decs[OLD] = Copied(bd.decoders(args, model, eos)["tree@auto"])
+    print(bd.decoding_table(bd.interleave({"bfloat16": decs}, args, prompts), args.temperature))
+
+
+if __name__ == "__main__":
+    main()
