@@ -339,6 +339,18 @@ def test_draft_over_shared_rows_equals_copied_rows(name):
     assert not torch.allclose(a2.logits[0], a2.logits[1], atol=1e-3)  # rows 0 and 1 saw different entries
 
 
+@pytest.mark.parametrize("name", ["specblock", "eagle3"])
+def test_decoding_attention_equals_training_attention(name):
+    """Without gradients the attention reads each key head for its query group (enable_gqa) instead of
+    repeated copies: the output is bitwise the one the training path computes."""
+    drafter, _, feats, ids = make(name)
+    past = drafter.extend(feats[:, :4], ids[:, :4]).cache
+    with torch.no_grad():
+        a = drafter.extend(feats[:, 4:], ids[:, 4:], past, position=4).logits
+    b = drafter.extend(feats[:, 4:], ids[:, 4:], past, position=4).logits
+    assert b.requires_grad and torch.equal(a, b.detach())
+
+
 # ---------------------------------------------------------------- EAGLE-3 TTT
 
 

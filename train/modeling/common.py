@@ -147,9 +147,13 @@ class Attention(nn.Module):
         if mask is None and extra is not None:
             raise ValueError("a causal (mask=None) call attends to its own keys only")
         keys, values = (k, v) if extra is None else (torch.cat([extra[0], k], 2), torch.cat([extra[1], v], 2))
-        groups = self.num_heads // self.num_kv
+        if torch.is_grad_enabled():  # training: every key head repeated for its query heads
+            groups = self.num_heads // self.num_kv
+            keys, values = repeat_kv(keys, groups), repeat_kv(values, groups)
+        # without gradients (decoding) the kernel reads each key head for its group instead of copies of
+        # the whole cache: bitwise the same output, tested
         out = F.scaled_dot_product_attention(
-            q, repeat_kv(keys, groups), repeat_kv(values, groups), attn_mask=mask, is_causal=mask is None
+            q, keys, values, attn_mask=mask, is_causal=mask is None, enable_gqa=True
         )  # [B,Hq,L,hd]
         return self.o_proj(out.transpose(1, 2).reshape(B, L, -1)), (k, v)
 
