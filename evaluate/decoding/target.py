@@ -91,10 +91,20 @@ class TargetSession:
 
     def keep(self, committed: int, kept: list[int]) -> None:
         """After a forward: keep the first `committed` cache entries and, of the entries fed after them,
-        those at offsets `kept` (in order). Only plain (non-sliding) dynamic layers can be gathered."""
-        index = torch.tensor(list(range(committed)) + [committed + i for i in kept])
+        those at offsets `kept` (ascending, as a path from the root is). Only plain (non-sliding) dynamic
+        layers can be cut. In place: the kept entries not yet in place move down (a few rows), then
+        each layer is cut to a view, instead of a copy of the whole cache per layer; nothing else holds
+        these tensors (the next forward concatenates onto them)."""
+        if any(b <= a for a, b in zip(kept, kept[1:])):
+            raise ValueError(f"kept offsets must be ascending, got {kept}")
+        length = committed + len(kept)
+        moves = [(committed + i, committed + k) for i, k in enumerate(kept) if k != i]
+        dst, src = (torch.tensor(x) for x in zip(*moves)) if moves else (None, None)
         for layer in self.cache.layers:
             if type(layer) is not DynamicLayer:
                 raise NotImplementedError(f"cannot gather a {type(layer).__name__} cache (sliding window?)")
-            index = index.to(layer.keys.device)
-            layer.keys, layer.values = layer.keys[..., index, :], layer.values[..., index, :]
+            if moves:  # each destination lies below its source: the gather reads before anything is written
+                dst, src = dst.to(layer.keys.device), src.to(layer.keys.device)
+                layer.keys[..., dst, :] = layer.keys[..., src, :]
+                layer.values[..., dst, :] = layer.values[..., src, :]
+            layer.keys, layer.values = layer.keys[..., :length, :], layer.values[..., :length, :]

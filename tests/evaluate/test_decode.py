@@ -247,6 +247,23 @@ def test_target_session_tree_forward_matches_plain_forward(greedy_setup):
     assert torch.allclose(nxt[0], ref, atol=1e-5)
 
 
+def test_target_session_keep_cuts_in_place(greedy_setup):
+    """keep moves the kept entries down in place and cuts each layer to a view (no copy of the cache);
+    offsets that are not a path (not ascending) are refused."""
+    target, _ = greedy_setup
+    s = TargetSession(target)
+    s.reset()
+    s.forward([3, 8, 1])
+    s.forward([4, 6, 9, 2], [-1, 0, 0, 2])
+    layer = s.cache.layers[0]
+    before, pointer = layer.keys.clone(), layer.keys.data_ptr()
+    s.keep(3, [0, 2, 3])
+    assert layer.keys.data_ptr() == pointer and len(s) == 6
+    assert torch.equal(layer.keys, before[..., [0, 1, 2, 3, 5, 6], :])
+    with pytest.raises(ValueError, match="ascending"):
+        s.keep(3, [1, 0])
+
+
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_target_session_is_right_under_every_attention_implementation(attn):
     """The session's 4-D tree mask must mean the same to every implementation: a boolean mask was read
