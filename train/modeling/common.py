@@ -138,7 +138,8 @@ class Attention(nn.Module):
     ) -> tuple[Tensor, KV]:
         """x [B,L,Din]; rope (cos, sin) [B,L,hd]; mask [B|1,1,L,N+L] bool over [extra (N) ; own (L)] keys,
         or None for the plain causal mask over own keys (then extra must be None, see `grid_mask`);
-        extra: keys/values [B,Hkv,N,hd] or None. Returns out [B,L,H] and this call's own (k, v)."""
+        extra: keys/values [B,Hkv,N,hd] or None. Returns out [B,L,H] and the keys/values it attended to,
+        [extra ; own] [B,Hkv,N+L,hd] (what a cache or a later block reads next, not concatenated again)."""
         B, L, _ = x.shape
         q = self.q_proj(x).view(B, L, -1, self.head_dim).transpose(1, 2)  # [B,Hq,L,hd]
         k = self.k_proj(x).view(B, L, -1, self.head_dim).transpose(1, 2)  # [B,Hkv,L,hd]
@@ -147,6 +148,7 @@ class Attention(nn.Module):
         if mask is None and extra is not None:
             raise ValueError("a causal (mask=None) call attends to its own keys only")
         keys, values = (k, v) if extra is None else (torch.cat([extra[0], k], 2), torch.cat([extra[1], v], 2))
+        seen = (keys, values)
         if torch.is_grad_enabled():  # training: every key head repeated for its query heads
             groups = self.num_heads // self.num_kv
             keys, values = repeat_kv(keys, groups), repeat_kv(values, groups)
@@ -155,7 +157,7 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(
             q, keys, values, attn_mask=mask, is_causal=mask is None, enable_gqa=True
         )  # [B,Hq,L,hd]
-        return self.o_proj(out.transpose(1, 2).reshape(B, L, -1)), (k, v)
+        return self.o_proj(out.transpose(1, 2).reshape(B, L, -1)), seen
 
 
 class DecoderLayer(nn.Module):
@@ -171,7 +173,7 @@ class DecoderLayer(nn.Module):
     def forward(
         self, h: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor, extra: KV | None = None
     ) -> tuple[Tensor, KV]:
-        """h [B,L,H] -> (h [B,L,H], own kv)."""
+        """h [B,L,H] -> (h [B,L,H], the kv [extra ; own] it attended to)."""
         return self.attend(h, self.input_layernorm(h), rope, mask, extra)
 
     def attend(
@@ -180,13 +182,6 @@ class DecoderLayer(nn.Module):
         out, kv = self.self_attn(attn_in, rope, mask, extra)
         h = residual + out
         return h + self.mlp(self.post_attention_layernorm(h)), kv
-
-
-def cat_kv(a: list[KV] | None, b: list[KV]) -> list[KV]:
-    """Per layer, keys/values of a then b along the sequence axis."""
-    if a is None:
-        return b
-    return [(torch.cat([ka, kb], 2), torch.cat([va, vb], 2)) for (ka, va), (kb, vb) in zip(a, b)]
 
 
 # ---------------------------------------------------------------- masks
@@ -268,7 +263,7 @@ class DraftCache:
     Shared rows: a cache whose entries are stored once (batch 1) with a `visible` row per leaf [n, N]
     (`shared()`) stands for n caches that differ only in what they hide. `rows` of a batch-1 cache gives
     that form without copying the entries, and a drafter's `draft` over it runs the n leaves as one row
-    of n*K' queries (`rows_mask`, `append_rows`): the committed context is neither copied per leaf nor
+    of n*K' queries (`rows_mask`, `grown_rows`): the committed context is neither copied per leaf nor
     attended to in n separate batch rows.
     """
 
@@ -313,13 +308,12 @@ class DraftCache:
         per_query = self.visible.repeat_interleave(L // n, dim=0)  # [nK', N]
         return torch.cat([per_query[None, None], own], dim=-1)
 
-    def append_rows(self, kv: list[KV]) -> DraftCache:
-        """After a `rows_mask` call: its n*K' new entries (batch 1) appended once; row b sees its own K'."""
-        n, new = self.visible.shape[0], kv[0][0].shape[2]
+    def grown_rows(self, kv: list[KV]) -> DraftCache:
+        """After a `rows_mask` call (kv: [these entries ; its n*K' new ones], batch 1): row b sees its
+        own K' new entries only."""
+        n, new = self.visible.shape[0], kv[0][0].shape[2] - len(self)
         own = torch.eye(n, dtype=torch.bool, device=self.visible.device).repeat_interleave(new // n, dim=1)
-        keys = [torch.cat([k, nk], 2) for k, (nk, _) in zip(self.keys, kv)]
-        values = [torch.cat([v, nv], 2) for v, (_, nv) in zip(self.values, kv)]
-        return DraftCache(keys, values, torch.cat([self.visible, own], dim=1))
+        return DraftCache([k for k, _ in kv], [v for _, v in kv], torch.cat([self.visible, own], dim=1))
 
     def all_visible(self, rows: int) -> Tensor:
         """A [rows, N] visibility that hides nothing."""
@@ -336,14 +330,13 @@ class DraftCache:
         vis = self.visible if self.visible is not None else self.all_visible(B)
         return torch.cat([vis[:, None, None, :].expand(B, 1, L, len(self)), own.expand(B, 1, L, L)], dim=-1)
 
-    def append(self, kv: list[KV]) -> DraftCache:
-        """New entries (visible) after the existing ones."""
-        keys = [torch.cat([k, nk], 2) for k, (nk, _) in zip(self.keys, kv)]
-        values = [torch.cat([v, nv], 2) for v, (_, nv) in zip(self.values, kv)]
+    def grown(self, kv: list[KV]) -> DraftCache:
+        """The cache after a call that attended to it: kv per layer holds [these entries ; the call's new
+        ones] (as the attention returns them), kept as they are; the new entries are visible."""
         vis = self.visible
         if vis is not None:
-            vis = torch.cat([vis, vis.new_ones(vis.shape[0], kv[0][0].shape[2])], dim=1)
-        return DraftCache(keys, values, vis)
+            vis = torch.cat([vis, vis.new_ones(vis.shape[0], kv[0][0].shape[2] - len(self))], dim=1)
+        return DraftCache([k for k, _ in kv], [v for _, v in kv], vis)
 
     @staticmethod
     def from_kv(kv: list[KV]) -> DraftCache:

@@ -30,7 +30,6 @@ from .common import (
     DraftStep,
     RMSNorm,
     Rotary,
-    cat_kv,
     draft_lm_head,
     drafter_layer_config,
     frozen_embedding,
@@ -67,7 +66,7 @@ class Eagle3Layer(DecoderLayer):
     def forward(
         self, emb: Tensor, h: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor, extra: KV | None = None
     ) -> tuple[Tensor, KV]:
-        """emb, h [B,L,H] -> (h [B,L,H], own kv)."""
+        """emb, h [B,L,H] -> (h [B,L,H], the kv [extra ; own] it attended to)."""
         x = torch.cat([self.input_layernorm(emb), self.hidden_norm(h)], dim=-1)  # [B,L,2H]
         return self.attend(h, x, rope, mask, extra)
 
@@ -122,7 +121,7 @@ class Eagle3Drafter(nn.Module):
                 mask = torch.cat([causal.expand(B, -1, -1, -1)] + [diagonal.expand(B, -1, -1, -1)] * s, -1)
             pos = position_ids(s + position_offset, B, T, features.device)  # [B,T]
             h, kv = self._step(h, shift_left(input_ids, s), pos, mask, extra)
-            extra = cat_kv(extra, [kv])
+            extra = [kv]  # steps 0..s: the keys this step attended to
             states.append(h)
         hidden = torch.stack(states, dim=2)  # [B,T,K,H]
         return DrafterOutput(logits=self.lm_head(self.norm(hidden)), hidden=hidden, rank_logits=None)
@@ -130,7 +129,8 @@ class Eagle3Drafter(nn.Module):
     def _step(
         self, h: Tensor, tokens: Tensor, pos: Tensor, mask: Tensor, extra: list[KV] | None
     ) -> tuple[Tensor, KV]:
-        """h [B,L,H], tokens [B,L], pos [B,L], mask [B,1,L,E+L] -> (h [B,L,H], kv [B,Hkv,L,hd])."""
+        """h [B,L,H], tokens [B,L], pos [B,L], mask [B,1,L,E+L] -> h [B,L,H] and the kv it attended to,
+        [extra ; own] [B,Hkv,E+L,hd]."""
         emb = self.embed_tokens(tokens).to(h.dtype)
         return self.midlayer(emb, h, self.rotary(h, pos), mask, None if extra is None else extra[0])
 
@@ -149,7 +149,7 @@ class Eagle3Drafter(nn.Module):
         mask = own.expand(B, -1, -1, -1) if past is None else past.key_mask(own)
         pos = position_ids(position, B, N, condition.device)
         h, kv = self._step(self.fc(condition), tokens, pos, mask, None if past is None else [past.layer(0)])
-        past = DraftCache.from_kv([kv]) if past is None else past.append([kv])
+        past = DraftCache.from_kv([kv]) if past is None else past.grown([kv])
         return DraftStep(self.lm_head(self.norm(h))[:, :, None], h[:, :, None], None, past)
 
     def draft(
@@ -179,12 +179,12 @@ class Eagle3Drafter(nn.Module):
             pos = row_starts(position + offset, B, h.device)
             h, kv = self._step(h, token[None], pos, past.rows_mask(own), [past.layer(0)])
             return DraftStep(
-                self.lm_head(self.norm(h[0]))[:, None], h[0][:, None], None, past.append_rows([kv])
+                self.lm_head(self.norm(h[0]))[:, None], h[0][:, None], None, past.grown_rows([kv])
             )
         h = (condition if inherited else self.fc(condition))[:, None]  # [B,1,H]
         own = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=h.device)
         mask = own.expand(h.shape[0], -1, -1, -1) if past is None else past.key_mask(own)
         pos = position_ids(position + offset, h.shape[0], 1, h.device)
         h, kv = self._step(h, token[:, None], pos, mask, None if past is None else [past.layer(0)])
-        past = DraftCache.from_kv([kv]) if past is None else past.append([kv])
+        past = DraftCache.from_kv([kv]) if past is None else past.grown([kv])
         return DraftStep(self.lm_head(self.norm(h)), h, None, past)

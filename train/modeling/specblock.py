@@ -39,7 +39,6 @@ from .common import (
     DraftStep,
     RMSNorm,
     Rotary,
-    cat_kv,
     draft_lm_head,
     drafter_layer_config,
     frozen_embedding,
@@ -240,7 +239,7 @@ class SpecBlockDrafter(nn.Module):
             if not 0 <= m < self.block_size:
                 raise ValueError(f"source slot {m} is outside the block (K={self.block_size})")
             seen.append(self._mask(T, valid, earlier=b == 0, same_slots=m + 1, B=B))
-            extra = cat_kv(extra, kv)
+            extra = kv  # every block so far: the keys this block attended to
             cond, offset = hidden[:, :, m], offset + m + 1
         return outputs
 
@@ -256,8 +255,8 @@ class SpecBlockDrafter(nn.Module):
         self, cond: Tensor, tokens: Tensor, pos: Tensor, mask: Tensor, extra: list[KV] | None
     ) -> tuple[Tensor, list[KV]]:
         """cond [B,N,H], tokens [B,N], pos [B,N] RoPE id of slot 0, mask [B,1,NK,E+NK] (None: causal, no
-        extra), extra: per-layer
-        KV of E earlier entries -> hidden [B,N,K,H] (pre-norm), this block's per-layer KV [B,Hkv,NK,hd]."""
+        extra), extra: per-layer KV of E earlier entries -> hidden [B,N,K,H] (pre-norm) and the per-layer KV
+        of [extra ; this block] [B,Hkv,E+NK,hd]."""
         B, N, H = cond.shape
         K = self.block_size
         queries = self.slot_queries(torch.arange(K, device=cond.device))  # [K,H]
@@ -304,7 +303,7 @@ class SpecBlockDrafter(nn.Module):
         pos = position_ids(position, B, N, cond.device) + 1 + offset
         hidden, kv = self._block(cond, tokens, pos, mask, extra)
         out = self._heads(hidden)
-        cache = DraftCache.from_kv(kv) if past is None else past.append(kv)
+        cache = DraftCache.from_kv(kv) if past is None else past.grown(kv)
         return DraftStep(out.logits, out.hidden, out.rank_logits, cache)
 
     def draft(
@@ -342,7 +341,7 @@ class SpecBlockDrafter(nn.Module):
         extra = [past.layer(i) for i in range(len(self.layers))]
         hidden, kv = self._block(cond, token[None], pos, past.rows_mask(own), extra)
         out = self._heads(hidden)
-        return DraftStep(out.logits[0], out.hidden[0], out.rank_logits[0], past.append_rows(kv))
+        return DraftStep(out.logits[0], out.hidden[0], out.rank_logits[0], past.grown_rows(kv))
 
     def _condition(self, condition: Tensor, inherited: bool) -> Tensor:
         expected = self.hidden_size if inherited else self.feature_size
