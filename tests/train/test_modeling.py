@@ -324,8 +324,10 @@ def test_draft_over_shared_rows_equals_copied_rows(name):
     vis = rows.visible.clone()
     vis[1, -1], vis[2, :2] = False, False  # the rows hide different entries
     shared = DraftCache(past.keys, past.values, vis)
-    copied = DraftCache([k.expand(3, -1, -1, -1).contiguous() for k in past.keys],
-                        [v.expand(3, -1, -1, -1).contiguous() for v in past.values], vis)  # fmt: skip
+    copied = shared.unshared()  # what a drafter that does not run shared rows itself would draft from
+    assert not copied.shared() and copied.keys[0].shape[0] == 3
+    with pytest.raises(ValueError, match="unshared"):  # the plain path refuses a shared cache by name
+        shared.key_mask(torch.ones(1, 1, 1, 1, dtype=torch.bool))
     where, position = torch.tensor([3, 3, 4]), torch.tensor([3, 3, 4])
     a = drafter.draft(feats[0, where], ids[0, where], shared, position=position)
     b = drafter.draft(feats[0, where], ids[0, where], copied, position=position)

@@ -300,6 +300,15 @@ class DraftCache:
             and self.visible.shape[0] > 1
         )
 
+    def unshared(self) -> DraftCache:
+        """A shared cache as n batch rows holding copies of the entries (the plain form): what a drafter
+        whose `draft` does not run shared rows itself calls first (slower: one copy per row)."""
+        if not self.shared():
+            return self
+        n = self.visible.shape[0]
+        copies = [[t.expand(n, -1, -1, -1).contiguous() for t in ts] for ts in (self.keys, self.values)]
+        return DraftCache(copies[0], copies[1], self.visible)
+
     def rows_mask(self, own: Tensor) -> Tensor:
         """For a shared cache of n rows whose new queries run as ONE row of n*K' (row b's K' queries
         after row b-1's): own [1,1,nK',nK'] mask among them -> [1,1,nK',N+nK'] over [cache ; new], row b's
@@ -326,7 +335,9 @@ class DraftCache:
         """own [B|1,1,L,L] mask among the new entries -> [B,1,L,N+L] over [cache ; new]."""
         B, L = self.keys[0].shape[0], own.shape[-1]
         if self.shared():
-            raise ValueError("a shared cache's rows are drafted through rows_mask / append_rows")
+            raise ValueError(
+                "a shared cache's rows are drafted through rows_mask / grown_rows, or after unshared()"
+            )
         vis = self.visible if self.visible is not None else self.all_visible(B)
         return torch.cat([vis[:, None, None, :].expand(B, 1, L, len(self)), own.expand(B, 1, L, L)], dim=-1)
 
