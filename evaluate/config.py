@@ -33,6 +33,7 @@ METHODS = (
     "iid-spectr_gbv",
     "iid-greedy",
     "tree",
+    "tree+lookup",
 )
 
 
@@ -128,7 +129,7 @@ class EvalConfig:
         if self.drafter_methods and not self.drafters:
             raise ValueError("speculative methods need at least one drafter (drafters: {name: folder})")
         missing = [name for name in self.drafters if name not in self.trees]
-        if missing and "tree" in self.methods:
+        if missing and {"tree", "tree+lookup"} & set(self.methods):
             raise ValueError(f"drafters {missing} have no tree shape under trees")
 
     @property

@@ -3,8 +3,9 @@
 One iteration (batch 1, as speculative-decoding benchmarks measure):
 1. draft from the root (the last emitted token): `chain` (one draft of L tokens), `iid` (K drafts of L
    tokens sampled i.i.d. from the drafter, shared prefixes computed once), `tree` (the drafter's
-   dynamic tree), or `lookup` (no drafter: up to L tokens copied from an n-gram match in the context,
-   lookup.py); `autoregressive` runs the target alone;
+   dynamic tree), `lookup` (no drafter: up to L tokens copied from an n-gram match in the context,
+   lookup.py), or `tree+lookup` (the drafter's tree with the lookup draft grafted on as one more branch);
+   `autoregressive` runs the target alone;
 2. ONE target forward over [root, draft nodes] with tree attention (a 4-D mask: every node sees the
    committed cache and its ancestors; position ids = cache length + depth), giving the target's logits
    and features at every node;
@@ -43,16 +44,18 @@ from specblock.evaluate.verify import CROSS_ITERATION, SINGLE_DRAFT, VERIFIERS, 
 from specblock.evaluate.verify import greedy_path, verify_tree
 from specblock.evaluate.verify.randomness import Sampler, TorchSampler
 
-MODES = ("chain", "iid", "tree", "lookup", "autoregressive")
+MODES = ("chain", "iid", "tree", "tree+lookup", "lookup", "autoregressive")
+TREE_MODES = ("tree", "tree+lookup")  # a dynamic tree verified by the target-only rule
 DRAFTERLESS = ("autoregressive", "lookup")  # modes that need no drafter checkpoint
 
 
 @dataclass
 class DecodeConfig:
-    """mode: chain | iid | tree | lookup | autoregressive; verifier: a registered chain/multi-draft
-    verifier for chain and iid (chain needs a single-draft one or K = 1), ignored for tree and
+    """mode: chain | iid | tree | tree+lookup | lookup | autoregressive; verifier: a registered chain/multi-
+    draft verifier for chain and iid (chain needs a single-draft one or K = 1), ignored for the trees and
     autoregressive, `token` for lookup (its point-mass draft); num_drafts K and draft_length L for chain /
-    iid (L also for lookup); tree: the dynamic tree's shape; lookup: the n-gram matcher's range."""
+    iid (L also for lookup and the lookup branch of tree+lookup); tree: the dynamic tree's shape; lookup:
+    the n-gram matcher's range."""
 
     mode: str = "tree"
     verifier: str = "token"
@@ -91,7 +94,7 @@ class DecodeConfig:
     @property
     def method(self) -> str:
         """The name reports use: tree, lookup, autoregressive, chain-<verifier>, iid-<verifier>."""
-        return self.mode if self.mode in ("tree", *DRAFTERLESS) else f"{self.mode}-{self.verifier}"
+        return self.mode if self.mode in (*TREE_MODES, *DRAFTERLESS) else f"{self.mode}-{self.verifier}"
 
 
 @dataclass
@@ -183,11 +186,15 @@ class SpeculativeDecoder:
             self.drafter = LookupSession(cfg.lookup, cfg.draft_length)
         elif drafter is not None and cfg.mode != "autoregressive":
             self.drafter = make_session(drafter, target.vocab_size, cfg.temperature, cfg.top_p)
+        # tree+lookup: prompt lookup's draft, grafted on the drafter's tree as one more branch
+        self.lookup = LookupSession(cfg.lookup, cfg.draft_length) if cfg.mode == "tree+lookup" else None
+        self._drafter_accepted = 0  # of the last iteration's accepted nodes, those the drafter drafted
+        self._drafter_nodes = 0  # tree+lookup: the nodes of this iteration's tree that the drafter drafted
         self.verifier = get_verifier(cfg.verifier) if cfg.mode in ("chain", "iid", "lookup") else None
         self.cross = cfg.mode in ("chain", "iid") and cfg.verifier in CROSS_ITERATION
         self.greedy = cfg.temperature == GREEDY
         # trees.<drafter>.budget=auto: the tree's size chosen per iteration from measured costs (budget.py)
-        auto_tree = cfg.mode == "tree" and cfg.tree.budget == AUTO
+        auto_tree = cfg.mode in TREE_MODES and cfg.tree.budget == AUTO
         self.auto = AutoBudget() if auto_tree or cfg.auto_length else None
         self.calibration_seconds = 0.0  # the auto budget's one-time forward-curve measurement
         self._scores: list[float] = []  # the kept draft's cumulative log-probs, for the auto calibration
@@ -222,6 +229,8 @@ class SpeculativeDecoder:
                 out, [], n, n, wall, prefill_seconds, decode_target, prefill_target_seconds=prefill_target
             )
         self.drafter.reset()
+        if self.lookup is not None:
+            self.lookup.reset()
         after = torch.tensor([*prompt[1:], out[0]])
         if self.adapter is not None:
             self.adapter.new_request()
@@ -229,7 +238,9 @@ class SpeculativeDecoder:
         root = self.drafter.advance(features, after, 0)
         if self.auto is not None and self.auto.curve is None:  # once per decoder, off the clock
             t = time.perf_counter()
-            most = self.cfg.tree.max_budget if self.cfg.mode == "tree" else self.cfg.draft_length
+            most = self.cfg.draft_length
+            if self.cfg.mode in TREE_MODES:  # the lookup branch adds up to draft_length nodes
+                most = self.cfg.tree.max_budget + (self.cfg.draft_length if self.lookup is not None else 0)
             grid = [n for n in FORWARD_GRID if n <= most] + [most + 1]
             self.auto.curve = measure_forward_curve(self.target.probe, tuple(sorted(set(grid))))
             self.calibration_seconds = time.perf_counter() - t
@@ -251,9 +262,11 @@ class SpeculativeDecoder:
             out += kept
             stats.seconds = time.perf_counter() - t0
             iterations.append(stats)
-            if self.auto is not None:
+            if (
+                self.auto is not None
+            ):  # calibrated on the drafter's own nodes (a lookup branch's are not scored)
                 fixed = stats.seconds - stats.target_seconds - self._variable_seconds
-                self.auto.observe(self._scores, stats.accepted, fixed)
+                self.auto.observe(self._scores, min(stats.accepted, self._drafter_accepted), fixed)
         result = Generation(
             out, iterations, self.target.calls, 1, time.perf_counter() - start, prefill_seconds,
             self.target.seconds - prefill_target, prefill_draft.calls, prefill_draft.seconds, prefill_target,
@@ -265,15 +278,11 @@ class SpeculativeDecoder:
     def _draft(self, root: Root | None, gen: Sampler, context: list[int]) -> Draft:
         """This iteration's draft from `root`; context: the prompt and the tokens generated so far."""
         cfg = self.cfg
-        if cfg.mode == "tree":
-            if self.auto is None:
-                return Draft(root.session.tree(root, cfg.tree))
-            calls, seconds = self.drafter.cost.calls, self.drafter.cost.seconds
-            tree = root.session.tree(root, cfg.tree, self.auto.more_rounds)
-            self._variable_seconds = self.drafter.cost.seconds - seconds  # modelled per round
-            self.auto.observe_rounds(self.drafter.cost.calls - calls, self._variable_seconds)
-            tree = tree.pruned(self.auto.choose(tree.score[1:])).tree
-            self._scores = tree.score[1:]
+        if cfg.mode in TREE_MODES:
+            tree = self._drafter_tree(root)
+            self._drafter_nodes = len(tree)
+            if self.lookup is not None:
+                graft_chain(tree, self.lookup.draft(context))
             return Draft(tree)
         if cfg.mode == "lookup":
             draft = self.drafter.draft(context)
@@ -289,6 +298,19 @@ class SpeculativeDecoder:
         else:
             tokens, probs = sample_drafts(root, k, cfg.draft_length, gen)
         return chain_draft(tokens, probs)
+
+    def _drafter_tree(self, root: Root) -> DraftTree:
+        """The drafter's dynamic tree at `root`; with budget=auto its rounds and size chosen (budget.py)."""
+        cfg = self.cfg
+        if self.auto is None:
+            return root.session.tree(root, cfg.tree)
+        calls, seconds = self.drafter.cost.calls, self.drafter.cost.seconds
+        tree = root.session.tree(root, cfg.tree, self.auto.more_rounds)
+        self._variable_seconds = self.drafter.cost.seconds - seconds  # modelled per round
+        self.auto.observe_rounds(self.drafter.cost.calls - calls, self._variable_seconds)
+        tree = tree.pruned(self.auto.choose(tree.score[1:])).tree
+        self._scores = tree.score[1:]
+        return tree
 
     def _auto_chain(self, root: Root, gen: Sampler) -> Draft:
         """draft_length=auto (budget.py): draft token by token while one more could raise the modelled
@@ -336,6 +358,7 @@ class SpeculativeDecoder:
         # drafter calls made for a continuation's draft laws count as drafting, not verification
         verify_seconds = time.perf_counter() - t0 - (self.drafter.cost.seconds - drafted_before)
         path = verified.path
+        self._drafter_accepted = sum(n < self._drafter_nodes for n in path) if self.lookup else len(path)
         emitted = [tree.tokens[n] for n in path] + [verified.next_token]
         self.target.keep(committed, [0, *path])
         if self.cross:
@@ -350,6 +373,8 @@ class SpeculativeDecoder:
         done = len(out) + len(emitted) >= self.cfg.max_new_tokens or bool(self.eos & set(emitted))
         new_root = None if done else self.drafter.advance(positions, after, committed)
         drafted = self.drafter.cost.take()
+        if self.lookup is not None:  # the n-gram match counts as drafting time (no drafter call)
+            drafted = drafted._replace(seconds=drafted.seconds + self.lookup.cost.take().seconds)
         depth = max(tree.depth) if draft.tokens is None else draft.tokens.shape[1]
         stats = IterationStats(
             len(path), len(emitted), depth, drafted.calls, drafted.seconds, verify_seconds, target_seconds
@@ -374,6 +399,17 @@ class SpeculativeDecoder:
         return Verified(
             draft.nodes[res.draft_index][1 : res.num_accepted + 1], res.next_token, res.continuation
         )
+
+
+def graft_chain(tree: DraftTree, tokens: list[int]) -> None:
+    """Add the chain `tokens` under the root of `tree` in place, merged with the nodes it shares (a node
+    the tree has keeps its index; new nodes come after every existing one and take their parent's score).
+    Any deterministic tree is verified exactly by the target-only rule (verify/tree.py), so a branch from
+    a second deterministic drafter (prompt lookup) keeps the output law."""
+    node = 0
+    for t in tokens:
+        kid = next((n for n in range(1, len(tree)) if tree.parents[n] == node and tree.tokens[n] == t), None)
+        node = tree.add(node, t, tree.score[node]) if kid is None else kid
 
 
 def chain_draft(tokens: Tensor, probs: Tensor | None) -> Draft:

@@ -16,10 +16,9 @@ from specblock.evaluate.decoding.loop import DecodeConfig, SpeculativeDecoder
 from specblock.evaluate.decoding.target import TargetSession
 from specblock.evaluate.decoding.trees import DraftTree, TreeConfig, drafts_tree
 from specblock.evaluate.verify import VerifyOutput, greedy_path
-from specblock.evaluate.verify.exact import enumerate_outcomes
 from specblock.evaluate.verify import base as verify_base
 
-from tiny_decoding import HORIZON, PROMPT, VOCAB, drafters, exact_law, tiny_target
+from tiny_decoding import HORIZON, PROMPT, VOCAB, drafters, exact_law, loop_law, max_error, tiny_target
 
 SCHEMES = [  # (mode, verifier, num_drafts)
     ("chain", "token", 1),
@@ -367,31 +366,6 @@ def exact_setup():  # function scope: its patch of the drafting code must not ou
     patch = OracleRoot(near, len(PROMPT))
     yield target, ds
     patch.uninstall()
-
-
-def loop_law(target, drafter, cfg: DecodeConfig, carry: bool = True, prompt=PROMPT, accepted=None):
-    """The exact law of the loop's generated sequences: every random choice of the real decoding loop
-    (drafts, verifier coins, corrections, bonus tokens) enumerated with the exact sampler. `accepted`, a
-    list, receives the probability of the outcomes in which some draft token was accepted."""
-    dec = SpeculativeDecoder(target, drafter, cfg)
-    dec.cross = dec.cross and carry
-    law: dict[tuple, float] = {}
-    hits = []
-
-    def run(s):
-        g = dec.generate(prompt, sampler=s)
-        hits.append(any(it.accepted for it in g.iterations))
-        return tuple(g.tokens)
-
-    for i, (w, seq) in enumerate(enumerate_outcomes(run)):
-        law[seq] = law.get(seq, 0.0) + w
-        if accepted is not None and hits[i]:
-            accepted.append(w)
-    return law
-
-
-def max_error(a: dict, b: dict) -> float:
-    return max(abs(a.get(x, 0.0) - b.get(x, 0.0)) for x in set(a) | set(b))
 
 
 @pytest.mark.slow

@@ -1,13 +1,15 @@
 """Tiny targets and drafters for the decoding-loop tests (`import tiny_decoding`; tests/evaluate): a
 peaked random Llama as a FeatureTarget, untrained SpecBlock and EAGLE-3 drafters on it, and the target's
-exact law of the next few tokens by enumeration."""
+exact law of the next few tokens by enumeration, and the exact law of the real loop's generations."""
 
 from __future__ import annotations
 
 import torch
 
 from specblock.data.target import FeatureTarget
+from specblock.evaluate.decoding.loop import DecodeConfig, SpeculativeDecoder
 from specblock.evaluate.decoding.temperature import next_token_law
+from specblock.evaluate.verify.exact import enumerate_outcomes
 from specblock.train.drafters import build_drafter
 from specblock.train.modeling.eagle3 import Eagle3Config
 from specblock.train.modeling.specblock import SpecBlockConfig
@@ -54,3 +56,28 @@ def exact_law(
             s + (t,): law[s] * float(probs[i, t]) for i, s in enumerate(seqs) for t in range(probs.shape[1])
         }
     return law
+
+
+def loop_law(target, drafter, cfg: DecodeConfig, carry: bool = True, prompt=PROMPT, accepted=None):
+    """The exact law of the loop's generated sequences: every random choice of the real decoding loop
+    (drafts, verifier coins, corrections, bonus tokens) enumerated with the exact sampler. `accepted`, a
+    list, receives the probability of the outcomes in which some draft token was accepted."""
+    dec = SpeculativeDecoder(target, drafter, cfg)
+    dec.cross = dec.cross and carry
+    law: dict[tuple, float] = {}
+    hits = []
+
+    def run(s):
+        g = dec.generate(prompt, sampler=s)
+        hits.append(any(it.accepted for it in g.iterations))
+        return tuple(g.tokens)
+
+    for i, (w, seq) in enumerate(enumerate_outcomes(run)):
+        law[seq] = law.get(seq, 0.0) + w
+        if accepted is not None and hits[i]:
+            accepted.append(w)
+    return law
+
+
+def max_error(a: dict, b: dict) -> float:
+    return max(abs(a.get(x, 0.0) - b.get(x, 0.0)) for x in set(a) | set(b))
