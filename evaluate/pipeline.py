@@ -117,7 +117,7 @@ def eval_stage(name: str, overrides: list[str]) -> list[dict]:
     return evaluate(config, resolved)
 
 
-GREEDY_METHODS = "[autoregressive,lookup,chain-token,tree]"
+GREEDY_METHODS = "[autoregressive,lookup,chain-token,tree,tree+lookup]"
 SAMPLED_METHODS = (
     "[autoregressive,lookup,chain-token,chain-block,chain-greedy_block,iid-spectr,iid-rrs,iid-spectr_gbv]"
 )

@@ -34,7 +34,7 @@ from specblock.data.target import DEFAULT_TARGET_DIR, DTYPES, FeatureTarget, Tar
 
 from specblock.evaluate.config import EvalConfig, parse_method
 from specblock.evaluate.decoding.drafters import drafting_spec
-from specblock.evaluate.decoding.loop import DecodeConfig, Generation, SpeculativeDecoder
+from specblock.evaluate.decoding.loop import TREE_MODES, DecodeConfig, Generation, SpeculativeDecoder
 from specblock.evaluate.decoding.target import TargetSession
 from specblock.evaluate.decoding.trees import TreeConfig
 from specblock.evaluate.reporting.metrics import AUTOREGRESSIVE, ratio
@@ -141,13 +141,13 @@ def decoders(args, model, eos: list[int]) -> dict[str, SpeculativeDecoder]:
         name, _, size = method.partition("@")
         mode, verifier = parse_method(name)
         tree, length = default_tree(drafter), args.draft_length
-        if size and mode == "tree":
+        if size and mode in TREE_MODES:
             tree = replace(tree, budget=int(size) if size.isdigit() else size)
         elif size.isdigit():
             length = int(size)
         cfg = DecodeConfig(
             mode, verifier, args.num_drafts if mode == "iid" else 1, length, args.temperature,
-            max_new_tokens=args.max_new_tokens, tree=tree, auto_length=size == "auto" and mode != "tree",
+            max_new_tokens=args.max_new_tokens, tree=tree, auto_length=size == "auto" and mode not in TREE_MODES,
         )  # fmt: skip
         target = FeatureTarget(model, layers if mode not in ("autoregressive", "lookup") else None)
         out[method] = SpeculativeDecoder(target, drafter, cfg, eos)
@@ -339,10 +339,11 @@ def parse_args(argv: list[str] | None):
     return args
 
 
-def ab_tree_auto(old: str, variant, argv: list[str] | None = None) -> None:
-    """An A/B of a loop change in one process: tree@auto now against `variant(decoder)` (the rule before,
-    named `old`), with autoregressive decoding, bf16, T = 0, 1 thread, prompts interleaved, median of the
-    repeats; defaults: the cpu_full SpecBlock drafter, 64 new tokens on GSM8K. Prints the decoding table."""
+def ab_tree_auto(old: str, variant, argv: list[str] | None = None, base: str = "tree@auto") -> None:
+    """An A/B of a loop change in one process: `base` (default tree@auto) now against `variant(decoder)`
+    (the rule before, named `old`), with autoregressive decoding, bf16, T = 0, 1 thread, prompts
+    interleaved, median of the repeats; defaults: the cpu_full SpecBlock drafter, 64 new tokens on GSM8K.
+    Prints the decoding table."""
     setup_logging()
     defaults = [
         "--methods",
@@ -357,7 +358,7 @@ def ab_tree_auto(old: str, variant, argv: list[str] | None = None) -> None:
     model, tok = load_target(TargetConfig(name_or_path=args.target, dtype="bfloat16"))
     prompts, eos = load_prompts(args, tok), eos_ids(tok, model)
     decs = decoders(args, model, eos)
-    decs[old] = variant(decoders(args, model, eos)["tree@auto"])
+    decs[old] = variant(decoders(args, model, eos)[base])
     print(decoding_table(interleave({"bfloat16": decs}, args, prompts), args.temperature))
 
 

@@ -34,5 +34,5 @@ echo "== $(date -u +%H:%M) speed of the best checkpoints (deployment precision, 
 "$py" -m specblock.evaluate run_name=cpu_full target.dtype=auto limit=3 max_new_tokens=64 \
   'drafters={specblock: checkpoints/cpu_full-specblock/drafter, eagle3: checkpoints/cpu_full-eagle3/drafter}' \
   draft_length=auto trees.specblock.budget=auto trees.eagle3.budget=auto \
-  'methods=[autoregressive,lookup,chain-token,tree]'
+  'methods=[autoregressive,lookup,chain-token,tree,tree+lookup]'
 echo "== $(date -u +%H:%M) done"

@@ -30,4 +30,4 @@ for drafter in specblock eagle3; do
 done
 "$py" -m specblock.evaluate run_name=device-gpu target.device="$device" target.dtype=float32 limit=4 \
     'drafters={specblock: checkpoints/device-gpu-specblock/drafter, eagle3: checkpoints/device-gpu-eagle3/drafter}' \
-    'methods=[autoregressive,chain-token,tree]' 2>&1 | tail -40 | tee "$out/eval.md"
+    'methods=[autoregressive,lookup,chain-token,tree,tree+lookup]' 2>&1 | tail -40 | tee "$out/eval.md"

@@ -27,6 +27,12 @@ SmolLM2 costs ~2.4x a one-token step, on an H200 it costs about the same as one.
 
 The chosen B maximises the model over 1 <= B <= the nodes drafted.
 
+`tree+lookup` with budget=auto puts prompt lookup's chain into the same choice: its i-th token's
+confidence is the measured rate at which lookup tokens at depth i were accepted so far (a prior of 0.5
+over 2 pseudo-counts, never rising with depth), counted once c is divided out (c calibrates the
+drafter's scores only); the drafter's further rounds are weighed with the chain already in the tree,
+and the union of the drafter's nodes and the chain's is cut to its best B nodes.
+
 `draft_length=auto` (chain methods) applies the same model to a chain drafted token by token, where
 drafting is not sunk: each further token costs `draft_ms` (the running mean per drafted token), so
 
@@ -53,6 +59,9 @@ PRIOR = 4.0  # pseudo-counts behind c = 1 before any iteration
 # one stalled forward cannot swing the model by more than 4x either way.
 LOAD_DECAY = 0.8
 LOAD_MIN, LOAD_MAX = 0.25, 4.0
+# tree+lookup: the lookup chain's i-th token is accepted at rate (LOOKUP_PRIOR * LOOKUP_PRIOR_RATE +
+# accepted_i) / (LOOKUP_PRIOR + drafted_i), measured per depth over the iterations so far
+LOOKUP_PRIOR, LOOKUP_PRIOR_RATE = 2.0, 0.5
 
 
 @dataclass
@@ -123,6 +132,8 @@ class AutoBudget:
     draft_total_ms: float = 0.0
     forward_seen_ms: float = 0.0  # decayed sums of measured and curve-modelled verification forwards
     forward_modelled_ms: float = 0.0
+    lookup_drafted: list[int] = field(default_factory=list)  # tree+lookup, per depth: chain tokens kept
+    lookup_accepted: list[int] = field(default_factory=list)  # ... and accepted
 
     @property
     def c(self) -> float:
@@ -204,6 +215,27 @@ class AutoBudget:
     def observe_drafting(self, tokens: int, seconds: float) -> None:
         self.drafted += tokens
         self.draft_total_ms += seconds * 1e3
+
+    def lookup_confidences(self, n: int) -> list[float]:
+        """tree+lookup: the chance that each of a lookup chain's first n tokens is accepted (the measured
+        rate per depth, never rising with depth: a deeper token needs the ones before it)."""
+        out, prev = [], 1.0
+        for i in range(n):
+            drafted = self.lookup_drafted[i] if i < len(self.lookup_drafted) else 0
+            accepted = self.lookup_accepted[i] if i < len(self.lookup_accepted) else 0
+            prev = min(prev, (LOOKUP_PRIOR * LOOKUP_PRIOR_RATE + accepted) / (LOOKUP_PRIOR + drafted))
+            out.append(max(prev, 1e-6))
+        return out
+
+    def observe_lookup(self, kept: int, accepted: int) -> None:
+        """tree+lookup: the iteration verified the chain's first `kept` tokens and accepted `accepted`."""
+        grow = kept - len(self.lookup_drafted)
+        if grow > 0:
+            self.lookup_drafted += [0] * grow
+            self.lookup_accepted += [0] * grow
+        for i in range(kept):
+            self.lookup_drafted[i] += 1
+            self.lookup_accepted[i] += i < accepted
 
     def observe(self, kept_scores: list[float], accepted: int, fixed_seconds: float) -> None:
         """After an iteration: the kept nodes' scores, how many nodes were accepted, and the iteration's

@@ -189,7 +189,8 @@ class SpeculativeDecoder:
         # tree+lookup: prompt lookup's draft, grafted on the drafter's tree as one more branch
         self.lookup = LookupSession(cfg.lookup, cfg.draft_length) if cfg.mode == "tree+lookup" else None
         self._drafter_accepted = 0  # of the last iteration's accepted nodes, those the drafter drafted
-        self._drafter_nodes = 0  # tree+lookup: the nodes of this iteration's tree that the drafter drafted
+        self._drafter_nodes: set[int] = set()  # tree+lookup: this iteration's nodes the drafter drafted
+        self._lookup_nodes: list[int] = []  # tree+lookup: this iteration's lookup chain, node per depth
         self.verifier = get_verifier(cfg.verifier) if cfg.mode in ("chain", "iid", "lookup") else None
         self.cross = cfg.mode in ("chain", "iid") and cfg.verifier in CROSS_ITERATION
         self.greedy = cfg.temperature == GREEDY
@@ -278,11 +279,13 @@ class SpeculativeDecoder:
     def _draft(self, root: Root | None, gen: Sampler, context: list[int]) -> Draft:
         """This iteration's draft from `root`; context: the prompt and the tokens generated so far."""
         cfg = self.cfg
-        if cfg.mode in TREE_MODES:
+        if cfg.mode == "tree+lookup":
+            return Draft(self._tree_with_lookup(root, self.lookup.draft(context)))
+        if cfg.mode == "tree":
             tree = self._drafter_tree(root)
-            self._drafter_nodes = len(tree)
-            if self.lookup is not None:
-                graft_chain(tree, self.lookup.draft(context))
+            if self.auto is not None:
+                tree = tree.pruned(self.auto.choose(tree.score[1:])).tree
+                self._scores = tree.score[1:]
             return Draft(tree)
         if cfg.mode == "lookup":
             draft = self.drafter.draft(context)
@@ -299,18 +302,51 @@ class SpeculativeDecoder:
             tokens, probs = sample_drafts(root, k, cfg.draft_length, gen)
         return chain_draft(tokens, probs)
 
-    def _drafter_tree(self, root: Root) -> DraftTree:
-        """The drafter's dynamic tree at `root`; with budget=auto its rounds and size chosen (budget.py)."""
+    def _drafter_tree(self, root: Root, extra: list[float] = ()) -> DraftTree:
+        """The drafter's dynamic tree at `root`, not yet cut to a budget. With budget=auto each further round
+        is drafted only if it can pay (budget.py), counting nodes of scores `extra` as already in the tree."""
         cfg = self.cfg
         if self.auto is None:
             return root.session.tree(root, cfg.tree)
         calls, seconds = self.drafter.cost.calls, self.drafter.cost.seconds
-        tree = root.session.tree(root, cfg.tree, self.auto.more_rounds)
+        auto = self.auto
+        more = (
+            (lambda scores, frontier: auto.more_rounds(scores + extra, frontier))
+            if extra
+            else auto.more_rounds
+        )
+        tree = root.session.tree(root, cfg.tree, more)
         self._variable_seconds = self.drafter.cost.seconds - seconds  # modelled per round
         self.auto.observe_rounds(self.drafter.cost.calls - calls, self._variable_seconds)
-        tree = tree.pruned(self.auto.choose(tree.score[1:])).tree
-        self._scores = tree.score[1:]
         return tree
+
+    def _tree_with_lookup(self, root: Root, chain: list[int]) -> DraftTree:
+        """tree+lookup: the drafter's tree with the lookup chain grafted under the root. With a fixed budget
+        the chain is added to the drafter's pruned tree. With budget=auto its tokens compete with the
+        drafter's nodes for the budget: the i-th has the measured rate at which lookup tokens at depth i
+        were accepted as its confidence (`AutoBudget.lookup_confidences`), it counts when the drafter's
+        rounds are weighed, and the union is cut to the best B nodes; the drafter's calibration c sees only
+        the drafter's own nodes (their own scores, even where the chain shares them)."""
+        if self.auto is None:
+            tree = root.session.tree(root, self.cfg.tree)
+            self._drafter_nodes = set(range(1, len(tree)))
+            self._lookup_nodes = graft_chain(tree, chain)
+            return tree
+        c = self.auto.c  # choose_budget weighs every confidence by c: the chain's are divided by it first
+        extra = [math.log(a / c) for a in self.auto.lookup_confidences(len(chain))]
+        tree = self._drafter_tree(root, extra)
+        drafted, own = len(tree), list(tree.score)
+        chain_nodes = graft_chain(tree, chain, extra)
+        kept = tree.pruned(self.auto.choose(tree.score[1:]))
+        new_of = {o: n for n, o in enumerate(kept.old)}
+        self._drafter_nodes = {new_of[o] for o in kept.old[1:] if o < drafted}
+        self._scores = [own[o] for o in kept.old[1:] if o < drafted]
+        self._lookup_nodes = []
+        for o in chain_nodes:  # the kept part of the chain (a prefix: its scores never increase)
+            if o not in new_of:
+                break
+            self._lookup_nodes.append(new_of[o])
+        return kept.tree
 
     def _auto_chain(self, root: Root, gen: Sampler) -> Draft:
         """draft_length=auto (budget.py): draft token by token while one more could raise the modelled
@@ -358,7 +394,12 @@ class SpeculativeDecoder:
         # drafter calls made for a continuation's draft laws count as drafting, not verification
         verify_seconds = time.perf_counter() - t0 - (self.drafter.cost.seconds - drafted_before)
         path = verified.path
-        self._drafter_accepted = sum(n < self._drafter_nodes for n in path) if self.lookup else len(path)
+        self._drafter_accepted = len(path)
+        if self.lookup is not None:  # who drafted the accepted nodes (a node both drafted counts for both)
+            self._drafter_accepted = sum(n in self._drafter_nodes for n in path)
+            if self.auto is not None:
+                hits = sum(n in self._lookup_nodes for n in path)
+                self.auto.observe_lookup(len(self._lookup_nodes), hits)
         emitted = [tree.tokens[n] for n in path] + [verified.next_token]
         self.target.keep(committed, [0, *path])
         if self.cross:
@@ -401,15 +442,24 @@ class SpeculativeDecoder:
         )
 
 
-def graft_chain(tree: DraftTree, tokens: list[int]) -> None:
+def graft_chain(tree: DraftTree, tokens: list[int], scores: list[float] | None = None) -> list[int]:
     """Add the chain `tokens` under the root of `tree` in place, merged with the nodes it shares (a node
-    the tree has keeps its index; new nodes come after every existing one and take their parent's score).
-    Any deterministic tree is verified exactly by the target-only rule (verify/tree.py), so a branch from
-    a second deterministic drafter (prompt lookup) keeps the output law."""
-    node = 0
-    for t in tokens:
+    the tree has keeps its index; new nodes come after every existing one). scores[i]: the score of the
+    chain's i-th node (a shared node keeps the larger of its two); None: new nodes take their parent's,
+    shared ones keep theirs. Returns the chain's node per depth. The target-only rule (verify/tree.py) is
+    exact for any tree chosen before the target samples, so a branch from a second drafter (prompt
+    lookup) keeps the output law."""
+    node, nodes = 0, []
+    for i, t in enumerate(tokens):
         kid = next((n for n in range(1, len(tree)) if tree.parents[n] == node and tree.tokens[n] == t), None)
-        node = tree.add(node, t, tree.score[node]) if kid is None else kid
+        score = tree.score[node] if scores is None else scores[i]
+        if kid is None:
+            kid = tree.add(node, t, score)
+        elif scores is not None:
+            tree.score[kid] = max(tree.score[kid], score)
+        node = kid
+        nodes.append(node)
+    return nodes
 
 
 def chain_draft(tokens: Tensor, probs: Tensor | None) -> Draft:

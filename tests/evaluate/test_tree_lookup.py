@@ -10,6 +10,7 @@ import dataclasses
 import pytest
 
 from specblock.evaluate.config import EvalConfig, parse_method
+from specblock.evaluate.decoding.budget import AutoBudget, ForwardCurve
 from specblock.evaluate.decoding import loop as decode_mod
 from specblock.evaluate.decoding.loop import DecodeConfig, SpeculativeDecoder, graft_chain
 from specblock.evaluate.decoding.trees import DraftTree, TreeConfig
@@ -39,6 +40,44 @@ def test_graft_chain_merges_shared_prefixes_and_appends_new_nodes():
     assert tree.path_tokens(4) == (7, 9, 4)
     graft_chain(tree, [])  # no match: nothing changes
     assert len(tree) == 5
+
+
+def test_graft_chain_with_scores_keeps_the_larger_score_of_a_shared_node():
+    tree = DraftTree()
+    a = tree.add(0, 7, -0.1)
+    b = tree.add(a, 8, -2.0)
+    assert graft_chain(tree, [7, 8, 5], [0.3, -1.0, -1.5]) == [a, b, 3]
+    assert tree.score[1:] == [0.3, -1.0, -1.5]
+    assert graft_chain(tree, [7], [-5.0]) == [a] and tree.score[a] == 0.3
+
+
+def test_lookup_confidences_are_measured_per_depth_and_never_rise():
+    auto = AutoBudget()
+    assert auto.lookup_confidences(3) == [0.5, 0.5, 0.5]  # the prior
+    for kept, accepted in ((3, 3), (3, 1), (2, 0), (3, 3)):
+        auto.observe_lookup(kept, accepted)
+    assert auto.lookup_drafted == [4, 4, 3] and auto.lookup_accepted == [3, 2, 2]
+    # depth 1: (1 + 3) / (2 + 4); depth 2: (1 + 2) / 6; depth 3: (1 + 2) / 5 = 0.6, held at depth 2's 0.5
+    assert auto.lookup_confidences(4) == pytest.approx([4 / 6, 3 / 6, 3 / 6, 3 / 6])
+
+
+def test_auto_tree_lookup_keeps_a_reliable_chain_and_drops_an_unreliable_one(greedy_setup):
+    """With budget=auto the chain competes for the budget by its measured acceptance: on a prompt the
+    target loops on, the chain is kept whole; once lookup has been measured to fail, its tokens lose to
+    the drafter's nodes and are cut. The tiny target's forward costs the same at every width, which would
+    make every node free: the curve is set to a CPU's slope (5 ms per token fed)."""
+    target, ds = greedy_setup
+    tree = TreeConfig(budget="auto", max_budget=6, steps=1, beam=2, topk=2)
+    cfg = DecodeConfig("tree+lookup", draft_length=4, temperature=0.0, max_new_tokens=24, tree=tree)
+    dec = SpeculativeDecoder(target, ds["eagle3"], cfg)
+    dec.auto.curve = ForwardCurve([1, 64], [10.0, 10.0 + 63 * 5.0])  # measured only when None
+    dec.generate(REPEATS)
+    kept = sum(dec.auto.lookup_drafted)
+    assert dec.auto.lookup_accepted[0] >= 3 and kept >= 8
+    dec.auto.lookup_drafted = [10_000] * 4  # measured: lookup tokens never accepted
+    dec.auto.lookup_accepted = [0] * 4
+    dec.generate(REPEATS)
+    assert sum(dec.auto.lookup_drafted) - 40_000 < kept / 2
 
 
 def accepted_from_lookup(dec: SpeculativeDecoder, monkeypatch) -> list[int]:
