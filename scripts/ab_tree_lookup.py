@@ -1,7 +1,8 @@
-"""A/B, side by side in one process: tree+lookup with budget=auto, the lookup chain competing with the
-drafter's nodes for the budget (now: `SpeculativeDecoder._tree_with_lookup`, the chain's measured
-acceptance per depth as its confidence) or added after the drafter's own auto budget (the first
-version). bench_decode.py's interleaved runner and table: bf16, T = 0, 1 thread, prompts interleaved,
+"""A/B, side by side in one process, of tree+lookup with budget=auto: now (the chain competes with the
+drafter's nodes for the budget by its measured acceptance per depth, and the drafter runs on demand: an
+iteration whose chain alone is expected to emit faster makes no drafter call), without the on-demand
+gate, and the first version (the chain added after the drafter's own auto budget, the drafter every
+iteration). bench_decode.py's interleaved runner and table: bf16, T = 0, 1 thread, prompts interleaved,
 median of the repeats; lookup and the drafter's plain tree beside them.
 
     SPECBLOCK_DATASETS=../shared/datasets python scripts/ab_tree_lookup.py [--drafter DIR] [--prompts 3]
@@ -15,7 +16,14 @@ from specblock.evaluate.decoding.loop import graft_chain
 
 BASE = "tree+lookup@auto"
 OLD = "tree+lookup@auto, chain after the budget"
+NO_GATE = "tree+lookup@auto, drafter every iteration"
 METHODS = ["--methods", "autoregressive", "lookup", "tree@auto", BASE, "--draft-length", "8"]
+
+
+def no_gate(dec):
+    """The decoder with the drafter in every iteration (the chain still competes for the budget)."""
+    dec.auto.lookup_alone = lambda n: None
+    return dec
 
 
 def chain_after_budget(dec):
@@ -31,11 +39,12 @@ def chain_after_budget(dec):
         return tree
 
     dec._tree_with_lookup = tree_with_lookup
-    return dec
+    return no_gate(dec)
 
 
 def main(argv: list[str] | None = None) -> None:
-    bd.ab_tree_auto(OLD, chain_after_budget, [*METHODS, *(sys.argv[1:] if argv is None else argv)], base=BASE)
+    args = [*METHODS, *(sys.argv[1:] if argv is None else argv)]
+    bd.ab_tree_auto(OLD, chain_after_budget, args, base=BASE, more={NO_GATE: no_gate})
 
 
 if __name__ == "__main__":

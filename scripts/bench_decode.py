@@ -339,11 +339,13 @@ def parse_args(argv: list[str] | None):
     return args
 
 
-def ab_tree_auto(old: str, variant, argv: list[str] | None = None, base: str = "tree@auto") -> None:
+def ab_tree_auto(
+    old: str, variant, argv: list[str] | None = None, base: str = "tree@auto", more: dict | None = None
+) -> None:
     """An A/B of a loop change in one process: `base` (default tree@auto) now against `variant(decoder)`
     (the rule before, named `old`), with autoregressive decoding, bf16, T = 0, 1 thread, prompts
     interleaved, median of the repeats; defaults: the cpu_full SpecBlock drafter, 64 new tokens on GSM8K.
-    Prints the decoding table."""
+    `more`: further variants, name -> function of the base decoder. Prints the decoding table."""
     setup_logging()
     defaults = [
         "--methods",
@@ -358,7 +360,8 @@ def ab_tree_auto(old: str, variant, argv: list[str] | None = None, base: str = "
     model, tok = load_target(TargetConfig(name_or_path=args.target, dtype="bfloat16"))
     prompts, eos = load_prompts(args, tok), eos_ids(tok, model)
     decs = decoders(args, model, eos)
-    decs[old] = variant(decoders(args, model, eos)[base])
+    for name, fn in {old: variant, **(more or {})}.items():
+        decs[name] = fn(decoders(args, model, eos)[base])
     print(decoding_table(interleave({"bfloat16": decs}, args, prompts), args.temperature))
 
 

@@ -62,6 +62,7 @@ LOAD_MIN, LOAD_MAX = 0.25, 4.0
 # tree+lookup: the lookup chain's i-th token is accepted at rate (LOOKUP_PRIOR * LOOKUP_PRIOR_RATE +
 # accepted_i) / (LOOKUP_PRIOR + drafted_i), measured per depth over the iterations so far
 LOOKUP_PRIOR, LOOKUP_PRIOR_RATE = 2.0, 0.5
+GATE_MIN = 4  # tree+lookup: iterations with a chain and the drafter measured before the chain may go alone
 
 
 @dataclass
@@ -134,6 +135,12 @@ class AutoBudget:
     forward_modelled_ms: float = 0.0
     lookup_drafted: list[int] = field(default_factory=list)  # tree+lookup, per depth: chain tokens kept
     lookup_accepted: list[int] = field(default_factory=list)  # ... and accepted
+    gate_iterations: int = 0  # tree+lookup iterations with a chain that ran the drafter, and sums over them:
+    gate_gain: float = 0.0  # accepted nodes the chain did not have
+    gate_nodes: float = 0.0  # nodes the chain did not have (the drafter's share of the forward)
+    gate_ms: float = 0.0  # drafter ms (catching up on the verified positions, and the rounds)
+    other_ms: float = 0.0  # tree+lookup: decayed sums of the loop's own ms per iteration (outside the
+    other_weight: float = 0.0  # target forward and drafting) and of the weights
 
     @property
     def c(self) -> float:
@@ -226,6 +233,36 @@ class AutoBudget:
             prev = min(prev, (LOOKUP_PRIOR * LOOKUP_PRIOR_RATE + accepted) / (LOOKUP_PRIOR + drafted))
             out.append(max(prev, 1e-6))
         return out
+
+    def lookup_alone(self, n: int) -> int | None:
+        """tree+lookup, before drafting: how many of a lookup chain's n tokens to verify WITHOUT the drafter
+        (no drafter call this iteration), or None to draft with it. The chain alone is cut to its best
+        length B by the cost model, then (1 + S_B) / (other + forward(B + 1)) is compared with (1 + S_B + g) /
+        (other + d + forward(B + 1 + b)): S_B the chain's confidences summed, and g, b, d the drafter's
+        accepted nodes, nodes and ms per iteration when it ran beside a chain (means). The drafter runs
+        until GATE_MIN such iterations are measured, and whenever there is no chain."""
+        if self.gate_iterations < GATE_MIN or n == 0:
+            return None
+        k = self.gate_iterations
+        g, b, d = self.gate_gain / k, self.gate_nodes / k, self.gate_ms / k
+        other = self.other_ms / self.other_weight if self.other_weight else 0.0
+        conf = self.lookup_confidences(n)
+        alone = choose_budget(conf, self.forward, other)
+        gain = 1 + sum(conf[: alone.size]) + g
+        with_drafter = gain / (other + d + self.forward(round(alone.size + 1 + b)))
+        return alone.size if alone.rate >= with_drafter else None
+
+    def observe_gate(self, gain: int, nodes: int, seconds: float) -> None:
+        """tree+lookup: an iteration that ran the drafter beside a chain accepted `gain` nodes the chain
+        did not have, verified `nodes` such nodes, and spent `seconds` drafting."""
+        self.gate_iterations += 1
+        self.gate_gain += gain
+        self.gate_nodes += nodes
+        self.gate_ms += seconds * 1e3
+
+    def observe_other(self, seconds: float) -> None:
+        self.other_ms = LOAD_DECAY * self.other_ms + seconds * 1e3
+        self.other_weight = LOAD_DECAY * self.other_weight + 1.0
 
     def observe_lookup(self, kept: int, accepted: int) -> None:
         """tree+lookup: the iteration verified the chain's first `kept` tokens and accepted `accepted`."""

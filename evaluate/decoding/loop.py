@@ -191,6 +191,10 @@ class SpeculativeDecoder:
         self._drafter_accepted = 0  # of the last iteration's accepted nodes, those the drafter drafted
         self._drafter_nodes: set[int] = set()  # tree+lookup: this iteration's nodes the drafter drafted
         self._lookup_nodes: list[int] = []  # tree+lookup: this iteration's lookup chain, node per depth
+        # tree+lookup drafts with the drafter on demand: verified positions wait here (features, tokens after,
+        # first position) until an iteration wants the drafter's tree, which appends them in one call
+        self._pending: list[tuple[Tensor, Tensor, int]] = []
+        self._used_drafter = False
         self.verifier = get_verifier(cfg.verifier) if cfg.mode in ("chain", "iid", "lookup") else None
         self.cross = cfg.mode in ("chain", "iid") and cfg.verifier in CROSS_ITERATION
         self.greedy = cfg.temperature == GREEDY
@@ -236,7 +240,10 @@ class SpeculativeDecoder:
         if self.adapter is not None:
             self.adapter.new_request()
             self.adapter.collect(features, after, logits)
-        root = self.drafter.advance(features, after, 0)
+        if self.lookup is not None:  # on demand: the first iteration that wants the drafter appends these
+            root, self._pending = None, [(features, after, 0)]
+        else:
+            root = self.drafter.advance(features, after, 0)
         if self.auto is not None and self.auto.curve is None:  # once per decoder, off the clock
             t = time.perf_counter()
             most = self.cfg.draft_length
@@ -263,6 +270,8 @@ class SpeculativeDecoder:
             out += kept
             stats.seconds = time.perf_counter() - t0
             iterations.append(stats)
+            if self.lookup is not None and self.auto is not None:  # the loop's own cost, for the gate
+                self.auto.observe_other(stats.seconds - stats.target_seconds - stats.drafter_seconds)
             if (
                 self.auto is not None
             ):  # calibrated on the drafter's own nodes (a lookup branch's are not scored)
@@ -280,7 +289,15 @@ class SpeculativeDecoder:
         """This iteration's draft from `root`; context: the prompt and the tokens generated so far."""
         cfg = self.cfg
         if cfg.mode == "tree+lookup":
-            return Draft(self._tree_with_lookup(root, self.lookup.draft(context)))
+            chain = self.lookup.draft(context)
+            alone = None if self.auto is None else self.auto.lookup_alone(len(chain))
+            self._used_drafter = alone is None
+            if alone is not None:  # the chain alone (cut to its best length) is expected to emit faster
+                tree = DraftTree()
+                self._drafter_nodes, self._scores = set(), []
+                self._lookup_nodes = graft_chain(tree, chain[:alone])
+                return Draft(tree)
+            return Draft(self._tree_with_lookup(self._catch_up(), chain))
         if cfg.mode == "tree":
             tree = self._drafter_tree(root)
             if self.auto is not None:
@@ -301,6 +318,14 @@ class SpeculativeDecoder:
         else:
             tokens, probs = sample_drafts(root, k, cfg.draft_length, gen)
         return chain_draft(tokens, probs)
+
+    def _catch_up(self) -> Root:
+        """tree+lookup: the drafter appends every verified position it has not seen (one call)."""
+        features = torch.cat([f for f, _, _ in self._pending])
+        after = torch.cat([t for _, t, _ in self._pending])
+        root = self.drafter.advance(features, after, self._pending[0][2])
+        self._pending = []
+        return root
 
     def _drafter_tree(self, root: Root, extra: list[float] = ()) -> DraftTree:
         """The drafter's dynamic tree at `root`, not yet cut to a budget. With budget=auto each further round
@@ -400,6 +425,7 @@ class SpeculativeDecoder:
             if self.auto is not None:
                 hits = sum(n in self._lookup_nodes for n in path)
                 self.auto.observe_lookup(len(self._lookup_nodes), hits)
+                gate = (len(path) - hits, len(tree) - 1 - len(self._lookup_nodes))  # the drafter's own part
         emitted = [tree.tokens[n] for n in path] + [verified.next_token]
         self.target.keep(committed, [0, *path])
         if self.cross:
@@ -412,9 +438,16 @@ class SpeculativeDecoder:
             self.adapter.collect(positions, after, logits[[0, *path]])
         # the drafter appends them, not after the last iteration (nothing would read it)
         done = len(out) + len(emitted) >= self.cfg.max_new_tokens or bool(self.eos & set(emitted))
-        new_root = None if done else self.drafter.advance(positions, after, committed)
+        if done or self.lookup is not None:  # tree+lookup: appended when a later iteration wants the drafter
+            new_root = None
+            if not done:
+                self._pending.append((positions, after, committed))
+        else:
+            new_root = self.drafter.advance(positions, after, committed)
         drafted = self.drafter.cost.take()
         if self.lookup is not None:  # the n-gram match counts as drafting time (no drafter call)
+            if self.auto is not None and self._used_drafter and self._lookup_nodes:
+                self.auto.observe_gate(*gate, drafted.seconds)
             drafted = drafted._replace(seconds=drafted.seconds + self.lookup.cost.take().seconds)
         depth = max(tree.depth) if draft.tokens is None else draft.tokens.shape[1]
         stats = IterationStats(
