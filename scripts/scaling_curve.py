@@ -8,7 +8,8 @@ Markdown table and a plot against training tokens and training wall-clock.
 
 Checkpoints are the step folders a run kept (`trainer.keep_every` milestones, the best and the last
 ones); each is exported once to `<run>/curve/<step>/drafter` and evaluated once (`<run>/curve/<step>/eval`,
-reread when it exists), so a killed curve continues where it stopped. The method is each drafter's
+reread when it exists), so a killed curve continues where it stopped. Each point keeps a copy of its
+checkpoint's meta.json there too, so a point stays on the curve after `keep_last` prunes its checkpoint. The method is each drafter's
 tree (SpecBlock: Rank-Head-sized dynamic tree; EAGLE-3: EAGLE-2's dynamic tree) and its chain, in float32
 (exact greedy equality), on the same prompts for every checkpoint.
 """
@@ -88,6 +89,8 @@ def point(run: Path, step: Path, args) -> dict:
         settings(results).write_text(json.dumps(wanted(args)))
     rows = read_jsonl(results)
     meta = read_meta(step)
+    if step != out:  # the copy that keeps the point once the checkpoint is pruned
+        (out / "meta.json").write_text(json.dumps(meta))
     cells = {(r["dataset"], r["method"]): r["metrics"]["block_efficiency"] for r in rows}
     calls = {(r["dataset"], r["method"]): r["metrics"]["drafter_calls_per_token"] for r in rows}
     return {
@@ -103,16 +106,23 @@ def point(run: Path, step: Path, args) -> dict:
     }
 
 
-def chosen(run: Path, args) -> list[Path]:
-    """The run's kept checkpoints to put on the curve: all, or with --steps those steps and the ones
-    whose evaluation is cached already (a long curve done in parts, the points that matter first)."""
-    steps = list_checkpoints(run)
-    if not args.steps:
-        return steps
+def pruned_points(run: Path, args) -> list[Path]:
+    """Curve folders evaluated (cached, with their meta.json copy) whose checkpoint is gone."""
+    live = {s.name for s in list_checkpoints(run)}
     return [
-        s for s in steps
-        if read_meta(s)["step"] in args.steps or cached(results_of(run, s), args)
+        d for d in sorted((run / "curve").glob("step_*"))
+        if d.name not in live and (d / "meta.json").is_file() and cached(results_of(run, d), args)
     ]  # fmt: skip
+
+
+def chosen(run: Path, args) -> list[Path]:
+    """The run's points on the curve: every kept checkpoint, or with --steps those steps and the ones
+    whose evaluation is cached already (a long curve done in parts, the points that matter first); and
+    the cached points whose checkpoint was pruned since."""
+    steps = list_checkpoints(run)
+    if args.steps:
+        steps = [s for s in steps if read_meta(s)["step"] in args.steps or cached(results_of(run, s), args)]
+    return sorted([*steps, *pruned_points(run, args)], key=lambda p: p.name)
 
 
 def table(points: list[dict]) -> str:

@@ -50,3 +50,22 @@ def test_steps_choose_what_is_evaluated_now_and_keep_cached_points(tmp_path):
     names = lambda args: [p.name for p in curve.chosen(run, args)]  # noqa: E731
     assert names(ARGS) == ["step_000100", "step_000200", "step_000300", "step_000400"]
     assert names(argparse.Namespace(**{**vars(ARGS), "steps": [400]})) == ["step_000100", "step_000400"]
+
+
+def test_a_cached_point_stays_on_the_curve_after_its_checkpoint_is_pruned(tmp_path):
+    every = ["gsm8k", "humaneval", "mgsm_en", "lm1b", "alpaca"]
+    run = fake_run(tmp_path, [100, 200, 300], {100: every, 200: every})
+    for step in (100, 200):  # what point() leaves beside the evaluation
+        meta = json.loads((run / f"step_{step:06d}" / "meta.json").read_text())
+        (run / "curve" / f"step_{step:06d}" / "meta.json").write_text(json.dumps(meta))
+    for f in (run / "step_000100").iterdir():  # keep_last pruned step 100
+        f.unlink()
+    (run / "step_000100").rmdir()
+    names = lambda args: [p.name for p in curve.chosen(run, args)]  # noqa: E731
+    assert names(ARGS) == ["step_000100", "step_000200", "step_000300"]
+    assert curve.read_meta(curve.chosen(run, ARGS)[0])["step"] == 100
+    assert names(argparse.Namespace(**{**vars(ARGS), "steps": [300]})) == [
+        "step_000100",
+        "step_000200",
+        "step_000300",
+    ]
