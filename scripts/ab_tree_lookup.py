@@ -12,7 +12,7 @@ import sys
 
 sys.path.insert(0, "scripts")
 import bench_decode as bd
-from specblock.evaluate.decoding.loop import graft_chain
+from specblock.evaluate.decoding.trees import graft_chain
 
 BASE = "tree+lookup@auto"
 OLD = "tree+lookup@auto, chain after the budget"

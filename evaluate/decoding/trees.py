@@ -123,3 +123,23 @@ def drafts_tree(tokens: list[list[int]]) -> tuple[DraftTree, list[list[int]]]:
             path.append(n)
         nodes.append(path)
     return tree, nodes
+
+
+def graft_chain(tree: DraftTree, tokens: list[int], scores: list[float] | None = None) -> list[int]:
+    """Add the chain `tokens` under the root of `tree` in place, merged with the nodes it shares (a node
+    the tree has keeps its index; new nodes come after every existing one). scores[i]: the score of the
+    chain's i-th node (a shared node keeps the larger of its two); None: new nodes take their parent's,
+    shared ones keep theirs. Returns the chain's node per depth. The target-only rule (verify/tree.py) is
+    exact for any tree chosen before the target samples, so a branch from a second drafter (prompt
+    lookup) keeps the output law."""
+    node, nodes = 0, []
+    for i, t in enumerate(tokens):
+        kid = next((n for n in range(1, len(tree)) if tree.parents[n] == node and tree.tokens[n] == t), None)
+        score = tree.score[node] if scores is None else scores[i]
+        if kid is None:
+            kid = tree.add(node, t, score)
+        elif scores is not None:
+            tree.score[kid] = max(tree.score[kid], score)
+        node = kid
+        nodes.append(node)
+    return nodes

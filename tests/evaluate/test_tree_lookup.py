@@ -15,8 +15,8 @@ import torch
 
 from specblock.evaluate.decoding import loop as decode_mod
 from specblock.evaluate.decoding.drafters import make_session
-from specblock.evaluate.decoding.loop import DecodeConfig, SpeculativeDecoder, graft_chain
-from specblock.evaluate.decoding.trees import DraftTree, TreeConfig
+from specblock.evaluate.decoding.loop import DecodeConfig, SpeculativeDecoder
+from specblock.evaluate.decoding.trees import DraftTree, TreeConfig, graft_chain
 from specblock.evaluate.run import decode_config
 from specblock.evaluate.verify import tree as tree_mod
 
