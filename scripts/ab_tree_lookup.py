@@ -22,7 +22,7 @@ METHODS = ["--methods", "autoregressive", "lookup", "tree@auto", BASE, "--draft-
 
 def no_gate(dec):
     """The decoder with the drafter in every iteration (the chain still competes for the budget)."""
-    dec.auto.lookup_alone = lambda n: None
+    dec.auto.lookup_alone = lambda n, ngram=0: None
     return dec
 
 

@@ -28,8 +28,8 @@ SmolLM2 costs ~2.4x a one-token step, on an H200 it costs about the same as one.
 The chosen B maximises the model over 1 <= B <= the nodes drafted.
 
 `tree+lookup` with budget=auto puts prompt lookup's chain into the same choice: its i-th token's
-confidence is the measured rate at which lookup tokens at depth i were accepted so far (a prior of 0.5
-over 2 pseudo-counts, never rising with depth), counted once c is divided out (c calibrates the
+confidence is the measured rate at which lookup tokens at depth i after a match of the same n-gram length
+were accepted so far (a prior of 0.5 over 2 pseudo-counts, never rising with depth), counted once c is divided out (c calibrates the
 drafter's scores only); the drafter's further rounds are weighed with the chain already in the tree,
 and the union of the drafter's nodes and the chain's is cut to its best B nodes.
 
@@ -133,8 +133,9 @@ class AutoBudget:
     draft_total_ms: float = 0.0
     forward_seen_ms: float = 0.0  # decayed sums of measured and curve-modelled verification forwards
     forward_modelled_ms: float = 0.0
-    lookup_drafted: list[int] = field(default_factory=list)  # tree+lookup, per depth: chain tokens kept
-    lookup_accepted: list[int] = field(default_factory=list)  # ... and accepted
+    # tree+lookup, per length of the matched n-gram, per depth: chain tokens kept, and accepted
+    lookup_drafted: dict[int, list[int]] = field(default_factory=dict)
+    lookup_accepted: dict[int, list[int]] = field(default_factory=dict)
     gate_iterations: int = 0  # tree+lookup iterations with a chain that ran the drafter, and sums over them:
     gate_gain: float = 0.0  # accepted nodes the chain did not have
     gate_nodes: float = 0.0  # nodes the chain did not have (the drafter's share of the forward)
@@ -223,18 +224,21 @@ class AutoBudget:
         self.drafted += tokens
         self.draft_total_ms += seconds * 1e3
 
-    def lookup_confidences(self, n: int) -> list[float]:
-        """tree+lookup: the chance that each of a lookup chain's first n tokens is accepted (the measured
-        rate per depth, never rising with depth: a deeper token needs the ones before it)."""
+    def lookup_confidences(self, n: int, ngram: int = 0) -> list[float]:
+        """tree+lookup: the chance that each of a lookup chain's first n tokens is accepted, for a chain that
+        followed a match of an `ngram`-token suffix (the measured rate per match length and depth, never
+        rising with depth: a deeper token needs the ones before it; a 3-gram match is a better bet than a
+        1-gram one)."""
         out, prev = [], 1.0
+        seen, hits = self.lookup_drafted.get(ngram, []), self.lookup_accepted.get(ngram, [])
         for i in range(n):
-            drafted = self.lookup_drafted[i] if i < len(self.lookup_drafted) else 0
-            accepted = self.lookup_accepted[i] if i < len(self.lookup_accepted) else 0
+            drafted = seen[i] if i < len(seen) else 0
+            accepted = hits[i] if i < len(hits) else 0
             prev = min(prev, (LOOKUP_PRIOR * LOOKUP_PRIOR_RATE + accepted) / (LOOKUP_PRIOR + drafted))
             out.append(max(prev, 1e-6))
         return out
 
-    def lookup_alone(self, n: int) -> int | None:
+    def lookup_alone(self, n: int, ngram: int = 0) -> int | None:
         """tree+lookup, before drafting: how many of a lookup chain's n tokens to verify WITHOUT the drafter
         (no drafter call this iteration), or None to draft with it. The chain alone is cut to its best
         length B by the cost model, then (1 + S_B) / (other + forward(B + 1)) is compared with (1 + S_B + g) /
@@ -246,7 +250,7 @@ class AutoBudget:
         k = self.gate_iterations
         g, b, d = self.gate_gain / k, self.gate_nodes / k, self.gate_ms / k
         other = self.other_ms / self.other_weight if self.other_weight else 0.0
-        conf = self.lookup_confidences(n)
+        conf = self.lookup_confidences(n, ngram)
         alone = choose_budget(conf, self.forward, other)
         gain = 1 + sum(conf[: alone.size]) + g
         with_drafter = gain / (other + d + self.forward(round(alone.size + 1 + b)))
@@ -264,15 +268,17 @@ class AutoBudget:
         self.other_ms = LOAD_DECAY * self.other_ms + seconds * 1e3
         self.other_weight = LOAD_DECAY * self.other_weight + 1.0
 
-    def observe_lookup(self, kept: int, accepted: int) -> None:
-        """tree+lookup: the iteration verified the chain's first `kept` tokens and accepted `accepted`."""
-        grow = kept - len(self.lookup_drafted)
-        if grow > 0:
-            self.lookup_drafted += [0] * grow
-            self.lookup_accepted += [0] * grow
+    def observe_lookup(self, kept: int, accepted: int, ngram: int = 0) -> None:
+        """tree+lookup: the iteration verified the first `kept` tokens of a chain that followed an
+        `ngram`-token match, and accepted `accepted` of them."""
+        seen = self.lookup_drafted.setdefault(ngram, [])
+        hits = self.lookup_accepted.setdefault(ngram, [])
+        if kept > len(seen):
+            hits += [0] * (kept - len(seen))
+            seen += [0] * (kept - len(seen))
         for i in range(kept):
-            self.lookup_drafted[i] += 1
-            self.lookup_accepted[i] += i < accepted
+            seen[i] += 1
+            hits[i] += i < accepted
 
     def observe(self, kept_scores: list[float], accepted: int, fixed_seconds: float) -> None:
         """After an iteration: the kept nodes' scores, how many nodes were accepted, and the iteration's

@@ -53,6 +53,7 @@ class NgramIndex:
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.tokens: list[int] = []
         self.next_of: dict[tuple[int, ...], int] = {}
+        self.matched = 0  # the length of the suffix n-gram the last draft followed (0: no match)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -69,7 +70,9 @@ class NgramIndex:
         for n in range(min(self.max_ngram, len(self.tokens) - 1), self.min_ngram - 1, -1):
             start = self.next_of.get(tuple(self.tokens[-n:]))
             if start is not None:
+                self.matched = n
                 return self.tokens[start : start + length]
+        self.matched = 0
         return []
 
 

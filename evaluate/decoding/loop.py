@@ -195,6 +195,7 @@ class SpeculativeDecoder:
         # first position) until an iteration wants the drafter's tree, which appends them in one call
         self._pending: list[tuple[Tensor, Tensor, int]] = []
         self._used_drafter = False
+        self._ngram = 0  # the n-gram length the iteration's lookup chain followed
         self.verifier = get_verifier(cfg.verifier) if cfg.mode in ("chain", "iid", "lookup") else None
         self.cross = cfg.mode in ("chain", "iid") and cfg.verifier in CROSS_ITERATION
         self.greedy = cfg.temperature == GREEDY
@@ -290,7 +291,8 @@ class SpeculativeDecoder:
         cfg = self.cfg
         if cfg.mode == "tree+lookup":
             chain = self.lookup.draft(context)
-            alone = None if self.auto is None else self.auto.lookup_alone(len(chain))
+            ngram = self._ngram = self.lookup.index.matched
+            alone = None if self.auto is None else self.auto.lookup_alone(len(chain), ngram)
             self._used_drafter = alone is None
             if alone is not None:  # the chain alone (cut to its best length) is expected to emit faster
                 tree = DraftTree()
@@ -358,7 +360,7 @@ class SpeculativeDecoder:
             self._lookup_nodes = graft_chain(tree, chain)
             return tree
         c = self.auto.c  # choose_budget weighs every confidence by c: the chain's are divided by it first
-        extra = [math.log(a / c) for a in self.auto.lookup_confidences(len(chain))]
+        extra = [math.log(a / c) for a in self.auto.lookup_confidences(len(chain), self._ngram)]
         tree = self._drafter_tree(root, extra)
         drafted, own = len(tree), list(tree.score)
         chain_nodes = graft_chain(tree, chain, extra)
@@ -424,7 +426,7 @@ class SpeculativeDecoder:
             self._drafter_accepted = sum(n in self._drafter_nodes for n in path)
             if self.auto is not None:
                 hits = sum(n in self._lookup_nodes for n in path)
-                self.auto.observe_lookup(len(self._lookup_nodes), hits)
+                self.auto.observe_lookup(len(self._lookup_nodes), hits, self._ngram)
                 gate = (len(path) - hits, len(tree) - 1 - len(self._lookup_nodes))  # the drafter's own part
         emitted = [tree.tokens[n] for n in path] + [verified.next_token]
         self.target.keep(committed, [0, *path])

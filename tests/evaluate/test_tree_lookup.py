@@ -15,6 +15,7 @@ import torch
 
 from specblock.evaluate.decoding import loop as decode_mod
 from specblock.evaluate.decoding.drafters import make_session
+from specblock.evaluate.decoding.lookup import NgramIndex
 from specblock.evaluate.decoding.loop import DecodeConfig, SpeculativeDecoder
 from specblock.evaluate.decoding.trees import DraftTree, TreeConfig, graft_chain
 from specblock.evaluate.run import decode_config
@@ -54,14 +55,27 @@ def test_graft_chain_with_scores_keeps_the_larger_score_of_a_shared_node():
     assert graft_chain(tree, [7], [-5.0]) == [a] and tree.score[a] == 0.3
 
 
-def test_lookup_confidences_are_measured_per_depth_and_never_rise():
+def test_lookup_confidences_are_measured_per_match_length_and_depth_and_never_rise():
     auto = AutoBudget()
-    assert auto.lookup_confidences(3) == [0.5, 0.5, 0.5]  # the prior
+    assert auto.lookup_confidences(3, 2) == [0.5, 0.5, 0.5]  # the prior
     for kept, accepted in ((3, 3), (3, 1), (2, 0), (3, 3)):
-        auto.observe_lookup(kept, accepted)
-    assert auto.lookup_drafted == [4, 4, 3] and auto.lookup_accepted == [3, 2, 2]
+        auto.observe_lookup(kept, accepted, 2)
+    auto.observe_lookup(4, 0, 1)  # a 1-gram match: counted apart
+    assert auto.lookup_drafted[2] == [4, 4, 3] and auto.lookup_accepted[2] == [3, 2, 2]
     # depth 1: (1 + 3) / (2 + 4); depth 2: (1 + 2) / 6; depth 3: (1 + 2) / 5 = 0.6, held at depth 2's 0.5
-    assert auto.lookup_confidences(4) == pytest.approx([4 / 6, 3 / 6, 3 / 6, 3 / 6])
+    assert auto.lookup_confidences(4, 2) == pytest.approx([4 / 6, 3 / 6, 3 / 6, 3 / 6])
+    assert auto.lookup_confidences(2, 1) == pytest.approx([1 / 3, 1 / 3])
+    assert auto.lookup_confidences(1, 3) == [0.5]
+
+
+def test_the_index_names_the_match_length_its_draft_followed():
+    index = NgramIndex(3, 1)
+    index.extend([1, 2, 3, 9, 1, 2, 3])
+    assert index.draft(2) == [9, 1] and index.matched == 3
+    index.extend([4])
+    assert index.draft(2) == [] and index.matched == 0
+    index.extend([3])
+    assert index.draft(1) == [4] and index.matched == 1  # "3" last followed by 4
 
 
 def test_auto_tree_lookup_keeps_a_reliable_chain_and_drops_an_unreliable_one(greedy_setup):
@@ -75,12 +89,13 @@ def test_auto_tree_lookup_keeps_a_reliable_chain_and_drops_an_unreliable_one(gre
     dec = SpeculativeDecoder(target, ds["eagle3"], cfg)
     dec.auto.curve = ForwardCurve([1, 64], [10.0, 10.0 + 63 * 5.0])  # measured only when None
     dec.generate(REPEATS)
-    kept = sum(dec.auto.lookup_drafted)
-    assert dec.auto.lookup_accepted[0] >= 3 and kept >= 8
-    dec.auto.lookup_drafted = [10_000] * 4  # measured: lookup tokens never accepted
-    dec.auto.lookup_accepted = [0] * 4
+    kept = sum(map(sum, dec.auto.lookup_drafted.values()))
+    assert sum(sum(hits[:1]) for hits in dec.auto.lookup_accepted.values()) >= 3 and kept >= 8
+    dec.auto.lookup_drafted = {n: [10_000] * 4 for n in range(4)}  # measured: lookup tokens never accepted
+    dec.auto.lookup_accepted = {n: [0] * 4 for n in range(4)}
     out = dec.generate(REPEATS)
-    assert sum(dec.auto.lookup_drafted) - 40_000 <= len(out.iterations)  # at most one token per iteration
+    after = sum(map(sum, dec.auto.lookup_drafted.values())) - 160_000
+    assert after <= len(out.iterations)  # at most one token per iteration
 
 
 @pytest.mark.parametrize("drafter", ["specblock", "eagle3"])
