@@ -9,9 +9,9 @@ Markdown table and a plot against training tokens and training wall-clock.
 Checkpoints are the step folders a run kept (`trainer.keep_every` milestones, the best and the last
 ones); each is exported once to `<run>/curve/<step>/drafter` and evaluated once (`<run>/curve/<step>/eval`,
 reread when it exists), so a killed curve continues where it stopped. Each point keeps a copy of its
-checkpoint's meta.json there too, so a point stays on the curve after `keep_last` prunes its checkpoint. The method is each drafter's
-tree (SpecBlock: Rank-Head-sized dynamic tree; EAGLE-3: EAGLE-2's dynamic tree) and its chain, in float32
-(exact greedy equality), on the same prompts for every checkpoint.
+checkpoint's meta.json there too, so a point stays on the curve after `keep_last` prunes its checkpoint.
+The method is each drafter's tree (SpecBlock: Rank-Head-sized dynamic tree; EAGLE-3: EAGLE-2's dynamic
+tree) and its chain, in float32 (exact greedy equality), on the same prompts for every checkpoint.
 """
 
 from __future__ import annotations

@@ -29,9 +29,10 @@ The chosen B maximises the model over 1 <= B <= the nodes drafted.
 
 `tree+lookup` with budget=auto puts prompt lookup's chain into the same choice: its i-th token's
 confidence is the measured rate at which lookup tokens at depth i after a match of the same n-gram length
-were accepted so far (a prior of 0.5 over 2 pseudo-counts, never rising with depth), counted once c is divided out (c calibrates the
-drafter's scores only); the drafter's further rounds are weighed with the chain already in the tree,
-and the union of the drafter's nodes and the chain's is cut to its best B nodes.
+were accepted so far (a prior of 0.5 over 2 pseudo-counts, never rising with depth), counted once c is
+divided out (c calibrates the drafter's scores only); the drafter's further rounds are weighed with the
+chain already in the tree, and the union of the drafter's nodes and the chain's is cut to its best B
+nodes. Before drafting, `lookup_alone` decides whether the drafter runs at all this iteration.
 
 `draft_length=auto` (chain methods) applies the same model to a chain drafted token by token, where
 drafting is not sunk: each further token costs `draft_ms` (the running mean per drafted token), so

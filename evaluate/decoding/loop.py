@@ -273,9 +273,7 @@ class SpeculativeDecoder:
             iterations.append(stats)
             if self.lookup is not None and self.auto is not None:  # the loop's own cost, for the gate
                 self.auto.observe_other(stats.seconds - stats.target_seconds - stats.drafter_seconds)
-            if (
-                self.auto is not None
-            ):  # calibrated on the drafter's own nodes (a lookup branch's are not scored)
+            if self.auto is not None:  # calibrated on the drafter's own nodes (a lookup branch's are not)
                 fixed = stats.seconds - stats.target_seconds - self._variable_seconds
                 self.auto.observe(self._scores, min(stats.accepted, self._drafter_accepted), fixed)
         result = Generation(
@@ -355,7 +353,7 @@ class SpeculativeDecoder:
         rounds are weighed, and the union is cut to the best B nodes; the drafter's calibration c sees only
         the drafter's own nodes (their own scores, even where the chain shares them)."""
         if self.auto is None:
-            tree = root.session.tree(root, self.cfg.tree)
+            tree = self._drafter_tree(root)
             self._drafter_nodes = set(range(1, len(tree)))
             self._lookup_nodes = graft_chain(tree, chain)
             return tree
@@ -427,7 +425,9 @@ class SpeculativeDecoder:
             if self.auto is not None:
                 hits = sum(n in self._lookup_nodes for n in path)
                 self.auto.observe_lookup(len(self._lookup_nodes), hits, self._ngram)
-                gate = (len(path) - hits, len(tree) - 1 - len(self._lookup_nodes))  # the drafter's own part
+                if self._used_drafter and self._lookup_nodes:  # the drafter's own part beside a chain;
+                    others = len(tree) - 1 - len(self._lookup_nodes)  # its drafting is all done by now
+                    self.auto.observe_gate(len(path) - hits, others, self.drafter.cost.seconds)
         emitted = [tree.tokens[n] for n in path] + [verified.next_token]
         self.target.keep(committed, [0, *path])
         if self.cross:
@@ -448,8 +448,6 @@ class SpeculativeDecoder:
             new_root = self.drafter.advance(positions, after, committed)
         drafted = self.drafter.cost.take()
         if self.lookup is not None:  # the n-gram match counts as drafting time (no drafter call)
-            if self.auto is not None and self._used_drafter and self._lookup_nodes:
-                self.auto.observe_gate(*gate, drafted.seconds)
             drafted = drafted._replace(seconds=drafted.seconds + self.lookup.cost.take().seconds)
         depth = max(tree.depth) if draft.tokens is None else draft.tokens.shape[1]
         stats = IterationStats(
