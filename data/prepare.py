@@ -44,9 +44,12 @@ class PrepareResult:
 def expected_manifest(cfg: PrepareConfig, tokenizer) -> Manifest:
     """What the token shards of this config must record (checked against an existing folder). The
     regeneration backend is left out of the recipe: backends differ only in rounding, and shards made
-    before it existed stay valid."""
+    before it existed stay valid (so is a hub subset that is not set)."""
     regenerate = {k: v for k, v in asdict(cfg.regenerate).items() if k != "backend"}
-    recipe = {"corpus": asdict(cfg.corpus), "regenerate": regenerate}
+    corpus = asdict(cfg.corpus)
+    if corpus["subset"] is None:  # a field added later: shards made before it stay valid
+        del corpus["subset"]
+    recipe = {"corpus": corpus, "regenerate": regenerate}
     return Manifest(
         kind="tokens",
         target_id=cfg.target.target_id,

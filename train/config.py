@@ -42,6 +42,9 @@ class TrainConfig:
     features: str = "online"  # online: target forward in the step; offline: the data stage's feature cache
     export: bool = True  # write <output_dir>/drafter at the end
     resume: str | None = None  # shorthand for trainer.resume: `resume=latest` or a step folder
+    # an exported drafter folder (<run>/drafter) to start from instead of random weights: fine-tuning on
+    # new data keeps its draft vocabulary; a resumed run reads its own checkpoint instead
+    init_from: str | None = None
     data: PrepareConfig = field(default_factory=PrepareConfig)
     # the `drafter` group: configs/drafter/<name>.yaml over its drafter's own schema (drafters.py)
     drafter: DrafterConfig = MISSING

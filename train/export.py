@@ -90,6 +90,7 @@ def model_card(config: dict[str, Any], card: dict[str, Any]) -> str:
         f"- data: {card.get('data', 'n/a')}",
         f"- steps: {card.get('steps', 'n/a')}",
         f"- run config: {card.get('run', 'n/a')}",
+        *([f"- initialised from: {card['init_from']}"] if "init_from" in card else []),
         *(
             [
                 f"- exported step: {card['best']['step']}, the best by {card['best']['metric']} = "

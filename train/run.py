@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import torch
 from filelock import FileLock
 from omegaconf import OmegaConf
+from safetensors.torch import load_file
 from torch.utils.data import Dataset, Subset
 from transformers import PretrainedConfig
 
@@ -23,7 +25,7 @@ from .batching import collate
 from .checkpoint import list_checkpoints, step_dir
 from .config import TrainConfig
 from .drafters import build_drafter, train_spec
-from .export import export_checkpoint
+from .export import EXPORT_FORMAT, export_checkpoint
 from .modeling import build_vocab_map, count_tokens
 from .strategy import DrafterStrategy
 from .tracking import is_main, log0
@@ -45,6 +47,27 @@ def draft_vocab(rows, vocab_size: int, size: int | None) -> torch.Tensor | None:
     for r in rows:
         counts += count_tokens(torch.as_tensor(r["input_ids"]), vocab_size, torch.as_tensor(r["loss_mask"]))
     return build_vocab_map(counts, size)[0]
+
+
+def read_init(folder: str | Path, drafter_cfg, layers: list[int]) -> dict[str, torch.Tensor]:
+    """The weights of an exported drafter to start a run from (`init_from`), checked against the run's
+    drafter: the same architecture, drafter fields and target feature layers, or one error naming the
+    file and the fields that differ. Its d2t (the draft vocabulary) comes with it."""
+    folder = Path(folder)
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"init_from: {config_path} not found (expected an exported drafter folder)")
+    config = json.loads(config_path.read_text())
+    if config.get("format") != EXPORT_FORMAT:
+        raise ValueError(f"{config_path}: format {config.get('format')!r}, expected {EXPORT_FORMAT!r}")
+    ours = {"architecture": drafter_cfg.name, "feature_layers": list(layers)}
+    ours.update({f"drafter.{k}": v for k, v in asdict(drafter_cfg).items()})
+    theirs = {"architecture": config.get("architecture"), "feature_layers": config.get("feature_layers")}
+    theirs.update({f"drafter.{k}": v for k, v in config.get("drafter", {}).items()})
+    differ = [f"{k} ({theirs.get(k)!r} there, {v!r} here)" for k, v in ours.items() if theirs.get(k) != v]
+    if differ:
+        raise ValueError(f"{config_path}: init_from does not fit this run's drafter: {'; '.join(differ)}")
+    return load_file(str(folder / "model.safetensors"))
 
 
 @dataclass
@@ -70,8 +93,9 @@ def build(cfg: TrainConfig) -> Built:
     val = cfg.validation
     train_idx, val_idx = split_indices(len(rows), val.fraction, val.max_rows, val.seed)
     rows, held_out = Subset(rows, train_idx), (Subset(rows, val_idx) if val_idx else None)
-    d2t = draft_vocab(rows, target.config.vocab_size, cfg.drafter.draft_vocab_size)
     drafter_cfg = replace(cfg.drafter, num_feature_layers=len(layers))
+    init = read_init(cfg.init_from, drafter_cfg, layers) if cfg.init_from else None
+    d2t = init["d2t"] if init else draft_vocab(rows, target.config.vocab_size, cfg.drafter.draft_vocab_size)
     torch.manual_seed(cfg.trainer.seed)  # the drafter's initial weights depend on the seed alone
     module = build_drafter(
         cfg.drafter.name,
@@ -81,6 +105,9 @@ def build(cfg: TrainConfig) -> Built:
         target.get_output_embeddings().weight,
         d2t,
     )
+    if init is not None:
+        module.load_state_dict(init, strict=True)
+        log0(f"drafter initialised from {cfg.init_from}")
     head = TargetHead.of(target, copy=True) if cfg.features == "offline" else None
     teacher = target if cfg.features == "online" else None
     strategy = train_spec(cfg.drafter.name).strategy(module, teacher, layers, cfg.loss, cfg.strategy, head)
@@ -119,6 +146,8 @@ def train(cfg: TrainConfig, resolved: dict | None = None) -> dict[str, float]:
             "run": cfg.run_name,
             "metrics": metrics,
         }
+        if cfg.init_from:
+            card["init_from"] = cfg.init_from
         step = step_dir(cfg.trainer.output_dir, int(metrics["step"]))
         best = read_best(cfg.trainer.output_dir)
         if best is not None:  # the best validation step, as speculators keeps it

@@ -60,6 +60,35 @@ def test_alpaca_joins_instruction_and_input():
     ]
 
 
+def test_question_answer_rows_are_one_turn_each_and_detected(tmp_path):
+    path = write_rows(
+        tmp_path / "gsm8k.jsonl",
+        [{"question": "2 + 2?", "answer": "4\n#### 4"}, {"question": "3 + 3?", "answer": "6\n#### 6"}],
+    )
+    assert [turns for _, turns in load(path)] == [
+        [u("2 + 2?"), a("4\n#### 4")],
+        [u("3 + 3?"), a("6\n#### 6")],
+    ]
+    write_rows(path, [{"question": "2 + 2?", "answer": "4"}, {"question": "3 + 3?"}])
+    with pytest.raises(BadInputError, match=r"gsm8k.jsonl, row 1, field 'answer': missing field"):
+        load(path)
+
+
+def test_a_hub_subset_is_the_dataset_configuration(monkeypatch):
+    import datasets
+
+    calls = []
+
+    def fake_load_dataset(source, name=None, split=None):
+        calls.append((source, name, split))
+        return datasets.Dataset.from_list([{"question": "1 + 1?", "answer": "2"}])
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    rows = load_conversations(CorpusConfig(source="openai/gsm8k", subset="main", split="train"))
+    assert calls == [("openai/gsm8k", "main", "train")]
+    assert rows == [("openai/gsm8k:train:0", [u("1 + 1?"), a("2")])]
+
+
 def test_folder_reads_json_and_jsonl_files_in_sorted_order_with_their_own_formats():
     rows = load(FIXTURES / "folder")
     assert [rid for rid, _ in rows] == ["f_0", "b_alpaca.jsonl:0", "b_alpaca.jsonl:1"]
@@ -177,7 +206,7 @@ def test_hub_ids_go_through_datasets_and_detect_the_schema(monkeypatch):
 
     calls = []
 
-    def fake_load_dataset(source, split):
+    def fake_load_dataset(source, name=None, split=None):
         calls.append((source, split))
         return datasets.Dataset.from_list(
             [

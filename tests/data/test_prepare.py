@@ -64,6 +64,14 @@ def test_prepare_end_to_end_then_skip_then_refuse(setup, monkeypatch, caplog):
         prep.prepare(setup(max_length=48, features=FeaturesConfig()))
 
 
+def test_a_hub_subset_enters_the_recipe_only_when_set(setup, tiny_chat):
+    """Shards written before `corpus.subset` existed record no such key; they must stay up to date."""
+    _, tok = tiny_chat
+    assert "subset" not in prep.expected_manifest(setup(), tok).extra["corpus"]
+    cfg = setup(corpus=CorpusConfig(source="openai/gsm8k", subset="main"))
+    assert prep.expected_manifest(cfg, tok).extra["corpus"]["subset"] == "main"
+
+
 def test_the_prepare_config_composes_and_validates():
     register_configs()
     with initialize_config_module("specblock.configs", version_base=None):

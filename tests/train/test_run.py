@@ -152,6 +152,36 @@ def test_baseline_and_offline_features_run_the_same_loop(make_cfg, name, feature
         assert (folder / "model.safetensors").exists() == (name == "eagle3")
 
 
+def test_a_run_initialised_from_an_exported_drafter_starts_from_its_weights(make_cfg):
+    base = make_cfg(name="eagle3", out="base", max_steps=2)
+    run_mod.train(base)
+    exported, _ = load_drafter(base.output_dir + "/drafter")
+    cfg = make_cfg(name="eagle3", out="tuned", max_steps=1)
+    cfg.init_from = base.output_dir + "/drafter"
+    built = run_mod.build(cfg)
+    for k, v in exported.state_dict().items():  # the weights and the draft vocabulary (d2t) it came with
+        assert torch.equal(built.strategy.module.state_dict()[k], v), k
+    assert not torch.equal(  # a run without init_from starts from fresh weights
+        run_mod.build(make_cfg(name="eagle3", out="fresh")).strategy.module.state_dict()["fc.weight"],
+        exported.state_dict()["fc.weight"],
+    )
+    run_mod.train(cfg)
+    assert (
+        "initialised from: " + cfg.init_from in (Path(cfg.output_dir) / "drafter" / "README.md").read_text()
+    )
+
+    cfg = make_cfg(name="eagle3", out="wrong")
+    cfg.drafter.draft_vocab_size, cfg.init_from = 20, base.output_dir + "/drafter"
+    with pytest.raises(
+        ValueError, match=r"config.json: init_from .*drafter.draft_vocab_size \(24 there, 20 here\)"
+    ):
+        run_mod.build(cfg)
+    cfg = make_cfg(name="specblock", out="wrong")
+    cfg.init_from = base.output_dir + "/drafter"
+    with pytest.raises(ValueError, match=r"architecture \('eagle3' there, 'specblock' here\)"):
+        run_mod.build(cfg)
+
+
 def test_validation_keeps_and_exports_the_best_step(make_cfg, caplog):
     caplog.set_level(logging.INFO, logger="specblock.train")
     cfg = make_cfg(
