@@ -22,6 +22,8 @@ share a prefix share its work.
 
 from __future__ import annotations
 
+import inspect
+
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
@@ -165,6 +167,8 @@ class DrafterSession:
         self.dtype = next(drafter.parameters()).dtype
         self.cost = DraftCost()
         self.cache: DraftCache | None = None
+        # a drafter whose extend() can skip the heads over all but the last appended position (ours can)
+        self._last_only = "last_only" in inspect.signature(drafter.extend).parameters
 
     def reset(self) -> None:
         self.cache = None
@@ -182,8 +186,9 @@ class DrafterSession:
         """features [M, F*H] of verified context positions position..position+M-1; tokens [M] the token
         after each of them (target ids). Appends them to the committed cache; returns the last one's Root."""
         cond = features.to(self.device, self.dtype)[None]
+        last = {"last_only": True} if self._last_only else {}
         step = self._timed(
-            self.drafter.extend, cond, tokens.to(self.device)[None], self.cache, position=position
+            self.drafter.extend, cond, tokens.to(self.device)[None], self.cache, position=position, **last
         )
         self.cache = step.cache
         rank = None if step.rank_logits is None else step.rank_logits[0, -1]

@@ -270,6 +270,23 @@ def test_specblock_draft_matches_the_training_forward():
     assert same(prefill.logits, out.logits[:, :4]) and same(rest.logits, out.logits[:, 4:])
 
 
+@pytest.mark.parametrize("name", ["specblock", "eagle3"])
+def test_extend_last_only_gives_the_last_position_and_the_whole_cache(name):
+    """What the decoding loop appends with: heads over the last position only, every entry cached."""
+    drafter, _, feats, ids = make(name)
+    with torch.no_grad():
+        full = drafter.extend(feats[:, :5], ids[:, :5])
+        last = drafter.extend(feats[:, :5], ids[:, :5], last_only=True)
+    assert last.logits.shape[1] == last.hidden.shape[1] == 1
+    assert same(last.logits[:, 0], full.logits[:, -1]) and same(last.hidden[:, 0], full.hidden[:, -1])
+    if name == "specblock":
+        assert same(last.rank_logits[:, 0], full.rank_logits[:, -1])
+    assert len(last.cache) == len(full.cache)
+    for i in range(len(drafter.layers) if name == "specblock" else 1):
+        for a, b in zip(last.cache.layer(i), full.cache.layer(i)):
+            assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("slots", [[0], [3], [1, 2], [2, 0]])
 def test_cross_block_inheritance_matches_inference(slots):
     """forward_blocks (training) == block-by-block drafting with the cache cropped to the source slot."""

@@ -135,13 +135,20 @@ class Eagle3Drafter(nn.Module):
         return self.midlayer(emb, h, self.rotary(h, pos), mask, None if extra is None else extra[0])
 
     def extend(
-        self, condition: Tensor, tokens: Tensor, past: DraftCache | None = None, *, position: int | Tensor = 0
+        self,
+        condition: Tensor,
+        tokens: Tensor,
+        past: DraftCache | None = None,
+        *,
+        position: int | Tensor = 0,
+        last_only: bool = False,
     ) -> DraftStep:
         """Step 0 at N consecutive context positions position..position+N-1 (how a decoding loop appends
         the tokens a verification accepted): condition [B,N,F*H] target features, tokens [B,N] aligned;
         each position sees every visible cache entry and the earlier new positions. Returns logits
         [B,N,1,Vd], hidden [B,N,1,H] (one step: K' = 1), no rank logits, and the cache with the N step-0
-        entries appended."""
+        entries appended. last_only: the outputs of the last position only (N = 1 in those shapes; the
+        cache still gets every position's entries), as a decoding loop drafts from the last one."""
         if condition.shape[-1] != self.feature_size:
             raise ValueError(f"condition has width {condition.shape[-1]}, expected {self.feature_size}")
         B, N, _ = condition.shape
@@ -150,6 +157,8 @@ class Eagle3Drafter(nn.Module):
         pos = position_ids(position, B, N, condition.device)
         h, kv = self._step(self.fc(condition), tokens, pos, mask, None if past is None else [past.layer(0)])
         past = DraftCache.from_kv([kv]) if past is None else past.grown([kv])
+        if last_only:
+            h = h[:, -1:]
         return DraftStep(self.lm_head(self.norm(h))[:, :, None], h[:, :, None], None, past)
 
     def draft(

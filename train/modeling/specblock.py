@@ -287,6 +287,7 @@ class SpecBlockDrafter(nn.Module):
         position: int | Tensor = 0,
         offset: int = 0,
         inherited: bool = False,
+        last_only: bool = False,
     ) -> DraftStep:
         """Drafts blocks at N consecutive positions position..position+N-1 that see every visible cache
         entry, the earlier new positions' slots, and their own slots causally.
@@ -294,7 +295,9 @@ class SpecBlockDrafter(nn.Module):
         [B,N]; position: int or [B] context index of the first condition; offset: the block's token
         offset (0 for block 1). Returns logits [B,N,K,Vd], hidden [B,N,K,H], rank_logits [B,N,K,C] and
         the cache with this call's N*K entries appended (crop them away when they should not stay
-        visible)."""
+        visible). last_only: the outputs of the last position only (N = 1 in those shapes; the cache
+        still gets every position's entries): a decoding loop appending a prompt or verified tokens
+        drafts from the last one, and the heads over the others would be wasted."""
         cond = self._condition(condition, inherited)
         B, N, _ = cond.shape
         own = slot_mask(N, self.block_size, None, earlier=True, same_slots=None, device=cond.device)
@@ -302,7 +305,7 @@ class SpecBlockDrafter(nn.Module):
         extra = None if past is None else [past.layer(i) for i in range(len(self.layers))]
         pos = position_ids(position, B, N, cond.device) + 1 + offset
         hidden, kv = self._block(cond, tokens, pos, mask, extra)
-        out = self._heads(hidden)
+        out = self._heads(hidden[:, -1:] if last_only else hidden)
         cache = DraftCache.from_kv(kv) if past is None else past.grown(kv)
         return DraftStep(out.logits, out.hidden, out.rank_logits, cache)
 
