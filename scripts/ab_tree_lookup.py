@@ -34,8 +34,8 @@ def chain_after_budget(dec):
         tree = dec._drafter_tree(root)
         tree = tree.pruned(dec.auto.choose(tree.score[1:])).tree
         dec._scores = tree.score[1:]
-        dec._drafter_nodes = set(range(1, len(tree)))
-        dec._lookup_nodes = graft_chain(tree, chain)
+        dec.graft.drafter_nodes = set(range(1, len(tree)))
+        dec.graft.lookup_nodes = graft_chain(tree, chain)
         return tree
 
     dec._tree_with_lookup = tree_with_lookup

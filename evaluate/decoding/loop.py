@@ -36,6 +36,7 @@ from specblock.evaluate.decoding.budget import FORWARD_GRID, AutoBudget, measure
 from specblock.evaluate.decoding.continuations import LawBook
 from specblock.evaluate.decoding.drafters import make_session
 from specblock.evaluate.decoding.drafting import Prefix, Root, greedy_draft, sample_drafts
+from specblock.evaluate.decoding.graft import LookupGraft
 from specblock.evaluate.decoding.lookup import LookupConfig, LookupSession
 from specblock.evaluate.decoding.target import TargetSession
 from specblock.evaluate.decoding.trees import AUTO, DraftTree, TreeConfig, drafts_tree, graft_chain
@@ -186,16 +187,9 @@ class SpeculativeDecoder:
             self.drafter = LookupSession(cfg.lookup, cfg.draft_length)
         elif drafter is not None and cfg.mode != "autoregressive":
             self.drafter = make_session(drafter, target.vocab_size, cfg.temperature, cfg.top_p)
-        # tree+lookup: prompt lookup's draft, grafted on the drafter's tree as one more branch
-        self.lookup = LookupSession(cfg.lookup, cfg.draft_length) if cfg.mode == "tree+lookup" else None
+        # tree+lookup: prompt lookup's draft grafted on the drafter's tree, the drafter on demand (graft.py)
+        self.graft = LookupGraft(cfg.lookup, cfg.draft_length) if cfg.mode == "tree+lookup" else None
         self._drafter_accepted = 0  # of the last iteration's accepted nodes, those the drafter drafted
-        self._drafter_nodes: set[int] = set()  # tree+lookup: this iteration's nodes the drafter drafted
-        self._lookup_nodes: list[int] = []  # tree+lookup: this iteration's lookup chain, node per depth
-        # tree+lookup drafts with the drafter on demand: verified positions wait here (features, tokens after,
-        # first position) until an iteration wants the drafter's tree, which appends them in one call
-        self._pending: list[tuple[Tensor, Tensor, int]] = []
-        self._used_drafter = False
-        self._ngram = 0  # the n-gram length the iteration's lookup chain followed
         self.verifier = get_verifier(cfg.verifier) if cfg.mode in ("chain", "iid", "lookup") else None
         self.cross = cfg.mode in ("chain", "iid") and cfg.verifier in CROSS_ITERATION
         self.greedy = cfg.temperature == GREEDY
@@ -235,21 +229,20 @@ class SpeculativeDecoder:
                 out, [], n, n, wall, prefill_seconds, decode_target, prefill_target_seconds=prefill_target
             )
         self.drafter.reset()
-        if self.lookup is not None:
-            self.lookup.reset()
         after = torch.tensor([*prompt[1:], out[0]])
         if self.adapter is not None:
             self.adapter.new_request()
             self.adapter.collect(features, after, logits)
-        if self.lookup is not None:  # on demand: the first iteration that wants the drafter appends these
-            root, self._pending = None, [(features, after, 0)]
+        if self.graft is not None:  # on demand: the first iteration that wants the drafter appends these
+            root = None
+            self.graft.start(features, after)
         else:
             root = self.drafter.advance(features, after, 0)
         if self.auto is not None and self.auto.curve is None:  # once per decoder, off the clock
             t = time.perf_counter()
             most = self.cfg.draft_length
             if self.cfg.mode in TREE_MODES:  # the lookup branch adds up to draft_length nodes
-                most = self.cfg.tree.max_budget + (self.cfg.draft_length if self.lookup is not None else 0)
+                most = self.cfg.tree.max_budget + (self.cfg.draft_length if self.graft is not None else 0)
             grid = [n for n in FORWARD_GRID if n <= most] + [most + 1]
             self.auto.curve = measure_forward_curve(self.target.probe, tuple(sorted(set(grid))))
             self.calibration_seconds = time.perf_counter() - t
@@ -271,7 +264,7 @@ class SpeculativeDecoder:
             out += kept
             stats.seconds = time.perf_counter() - t0
             iterations.append(stats)
-            if self.lookup is not None and self.auto is not None:  # the loop's own cost, for the gate
+            if self.graft is not None and self.auto is not None:  # the loop's own cost, for the gate
                 self.auto.observe_other(stats.seconds - stats.target_seconds - stats.drafter_seconds)
             if self.auto is not None:  # calibrated on the drafter's own nodes (a lookup branch's are not)
                 fixed = stats.seconds - stats.target_seconds - self._variable_seconds
@@ -288,16 +281,12 @@ class SpeculativeDecoder:
         """This iteration's draft from `root`; context: the prompt and the tokens generated so far."""
         cfg = self.cfg
         if cfg.mode == "tree+lookup":
-            chain = self.lookup.draft(context)
-            ngram = self._ngram = self.lookup.index.matched
-            alone = None if self.auto is None else self.auto.lookup_alone(len(chain), ngram)
-            self._used_drafter = alone is None
+            chain = self.graft.chain(context)
+            alone = None if self.auto is None else self.auto.lookup_alone(len(chain), self.graft.ngram)
             if alone is not None:  # the chain alone (cut to its best length) is expected to emit faster
-                tree = DraftTree()
-                self._drafter_nodes, self._scores = set(), []
-                self._lookup_nodes = graft_chain(tree, chain[:alone])
-                return Draft(tree)
-            return Draft(self._tree_with_lookup(self._catch_up(), chain))
+                self._scores = []
+                return Draft(self.graft.chain_alone(chain[:alone]))
+            return Draft(self._tree_with_lookup(self.graft.catch_up(self.drafter), chain))
         if cfg.mode == "tree":
             tree = self._drafter_tree(root)
             if self.auto is not None:
@@ -318,14 +307,6 @@ class SpeculativeDecoder:
         else:
             tokens, probs = sample_drafts(root, k, cfg.draft_length, gen)
         return chain_draft(tokens, probs)
-
-    def _catch_up(self) -> Root:
-        """tree+lookup: the drafter appends every verified position it has not seen (one call)."""
-        features = torch.cat([f for f, _, _ in self._pending])
-        after = torch.cat([t for _, t, _ in self._pending])
-        root = self.drafter.advance(features, after, self._pending[0][2])
-        self._pending = []
-        return root
 
     def _drafter_tree(self, root: Root, extra: list[float] = ()) -> DraftTree:
         """The drafter's dynamic tree at `root`, not yet cut to a budget. With budget=auto each further round
@@ -352,25 +333,26 @@ class SpeculativeDecoder:
         were accepted as its confidence (`AutoBudget.lookup_confidences`), it counts when the drafter's
         rounds are weighed, and the union is cut to the best B nodes; the drafter's calibration c sees only
         the drafter's own nodes (their own scores, even where the chain shares them)."""
+        graft = self.graft
         if self.auto is None:
             tree = self._drafter_tree(root)
-            self._drafter_nodes = set(range(1, len(tree)))
-            self._lookup_nodes = graft_chain(tree, chain)
+            graft.drafter_nodes = set(range(1, len(tree)))
+            graft.lookup_nodes = graft_chain(tree, chain)
             return tree
         c = self.auto.c  # choose_budget weighs every confidence by c: the chain's are divided by it first
-        extra = [math.log(a / c) for a in self.auto.lookup_confidences(len(chain), self._ngram)]
+        extra = [math.log(a / c) for a in self.auto.lookup_confidences(len(chain), graft.ngram)]
         tree = self._drafter_tree(root, extra)
         drafted, own = len(tree), list(tree.score)
         chain_nodes = graft_chain(tree, chain, extra)
         kept = tree.pruned(self.auto.choose(tree.score[1:]))
         new_of = {o: n for n, o in enumerate(kept.old)}
-        self._drafter_nodes = {new_of[o] for o in kept.old[1:] if o < drafted}
+        graft.drafter_nodes = {new_of[o] for o in kept.old[1:] if o < drafted}
         self._scores = [own[o] for o in kept.old[1:] if o < drafted]
-        self._lookup_nodes = []
+        graft.lookup_nodes = []
         for o in chain_nodes:  # the kept part of the chain (a prefix: its scores never increase)
             if o not in new_of:
                 break
-            self._lookup_nodes.append(new_of[o])
+            graft.lookup_nodes.append(new_of[o])
         return kept.tree
 
     def _auto_chain(self, root: Root, gen: Sampler) -> Draft:
@@ -420,14 +402,10 @@ class SpeculativeDecoder:
         verify_seconds = time.perf_counter() - t0 - (self.drafter.cost.seconds - drafted_before)
         path = verified.path
         self._drafter_accepted = len(path)
-        if self.lookup is not None:  # who drafted the accepted nodes (a node both drafted counts for both)
-            self._drafter_accepted = sum(n in self._drafter_nodes for n in path)
-            if self.auto is not None:
-                hits = sum(n in self._lookup_nodes for n in path)
-                self.auto.observe_lookup(len(self._lookup_nodes), hits, self._ngram)
-                if self._used_drafter and self._lookup_nodes:  # the drafter's own part beside a chain;
-                    others = len(tree) - 1 - len(self._lookup_nodes)  # its drafting is all done by now
-                    self.auto.observe_gate(len(path) - hits, others, self.drafter.cost.seconds)
+        if (
+            self.graft is not None
+        ):  # who drafted the accepted nodes; the drafter's drafting is all done by now
+            self._drafter_accepted = self.graft.observe(path, tree, self.auto, self.drafter.cost.seconds)
         emitted = [tree.tokens[n] for n in path] + [verified.next_token]
         self.target.keep(committed, [0, *path])
         if self.cross:
@@ -440,15 +418,15 @@ class SpeculativeDecoder:
             self.adapter.collect(positions, after, logits[[0, *path]])
         # the drafter appends them, not after the last iteration (nothing would read it)
         done = len(out) + len(emitted) >= self.cfg.max_new_tokens or bool(self.eos & set(emitted))
-        if done or self.lookup is not None:  # tree+lookup: appended when a later iteration wants the drafter
+        if done or self.graft is not None:  # tree+lookup: appended when a later iteration wants the drafter
             new_root = None
             if not done:
-                self._pending.append((positions, after, committed))
+                self.graft.defer(positions, after, committed)
         else:
             new_root = self.drafter.advance(positions, after, committed)
         drafted = self.drafter.cost.take()
-        if self.lookup is not None:  # the n-gram match counts as drafting time (no drafter call)
-            drafted = drafted._replace(seconds=drafted.seconds + self.lookup.cost.take().seconds)
+        if self.graft is not None:  # the n-gram match counts as drafting time (no drafter call)
+            drafted = drafted._replace(seconds=drafted.seconds + self.graft.lookup.cost.take().seconds)
         depth = max(tree.depth) if draft.tokens is None else draft.tokens.shape[1]
         stats = IterationStats(
             len(path), len(emitted), depth, drafted.calls, drafted.seconds, verify_seconds, target_seconds

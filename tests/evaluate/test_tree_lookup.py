@@ -126,9 +126,9 @@ def test_auto_tree_lookup_leaves_the_drafter_out_where_the_chain_alone_pays(gree
     dec = SpeculativeDecoder(target, ds["eagle3"], cfg)
     dec.auto.curve = ForwardCurve([1, 64], [10.0, 10.0 + 63 * 5.0])
     dec.auto.gate_iterations, dec.auto.gate_gain, dec.auto.gate_nodes, dec.auto.gate_ms = 10, 0.0, 40.0, 500.0
-    seen, inner = [], dec.lookup.draft
+    seen, inner = [], dec.graft.lookup.draft
     monkey = lambda context: seen.append(inner(context)) or seen[-1]  # noqa: E731
-    dec.lookup.draft = monkey
+    dec.graft.lookup.draft = monkey
     ar = DecodeConfig(mode="autoregressive", temperature=0.0, max_new_tokens=24)
     out = dec.generate(REPEATS)
     assert out.tokens == SpeculativeDecoder(target, None, ar).generate(REPEATS).tokens
