@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -88,7 +90,8 @@ class EvalConfig:
     max_draft_length: int = 8
     temperature: float = 0.0
     top_p: float = 1.0
-    # tree shape per drafter (name -> shape); default: each registered drafter's (decoding/drafters.py)
+    # tree shape per drafter (name -> shape); default: each registered drafter's (decoding/drafters.py); a
+    # drafter named otherwise (two EAGLE-3 drafters side by side) takes trees.<its architecture>
     trees: dict[str, TreeConfig] = field(default_factory=default_trees)
     lookup: LookupConfig = field(default_factory=LookupConfig)  # prompt lookup's n-gram range
     adapt: AdaptConfig = field(default_factory=AdaptConfig)  # serving-time adaptation (off by default)
@@ -128,6 +131,10 @@ class EvalConfig:
             )
         if self.drafter_methods and not self.drafters:
             raise ValueError("speculative methods need at least one drafter (drafters: {name: folder})")
+        for name, folder in self.drafters.items():  # e.g. two EAGLE-3 drafters side by side
+            arch = None if name in self.trees else architecture_of(folder)
+            if arch is not None and arch in self.trees:
+                self.trees[name] = replace(self.trees[arch])
         missing = [name for name in self.drafters if name not in self.trees]
         if missing and {"tree", "tree+lookup"} & set(self.methods):
             raise ValueError(f"drafters {missing} have no tree shape under trees")
@@ -136,6 +143,15 @@ class EvalConfig:
     def drafter_methods(self) -> list[str]:
         """The methods that run once per drafter (all but lookup and autoregressive)."""
         return [m for m in self.methods if parse_method(m)[0] not in DRAFTERLESS]
+
+
+def architecture_of(folder: str) -> str | None:
+    """The `architecture` an exported drafter folder's config.json names, None if it cannot be read (the
+    run reports a missing or broken folder itself, naming it)."""
+    try:
+        return json.loads((Path(folder) / "config.json").read_text()).get("architecture")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def register_configs() -> None:

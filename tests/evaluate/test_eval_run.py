@@ -49,6 +49,18 @@ def test_eval_config_composes_and_validates():
         EvalConfig(methods=["autoregressive", "lookup", "chain-token"], drafters={})
 
 
+def test_a_drafter_named_otherwise_takes_its_architectures_tree(tmp_path):
+    """Two EAGLE-3 drafters side by side: the second, under its own name, gets trees.eagle3 (as set)."""
+    folder = tmp_path / "math"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"architecture": "eagle3"}))
+    cfg = EvalConfig(drafters={"eagle3": "x", "eagle3_math": str(folder)}, methods=["tree"])
+    assert cfg.trees["eagle3_math"] == cfg.trees["eagle3"]
+    assert cfg.trees["eagle3_math"] is not cfg.trees["eagle3"]  # a copy: setting one leaves the other
+    with pytest.raises(ValueError, match=r"drafters \['other'\] have no tree shape"):
+        EvalConfig(drafters={"other": str(tmp_path / "missing")}, methods=["tree"])
+
+
 def test_every_drafter_is_registered_with_both_stages():
     from specblock.evaluate.decoding.drafters import DRAFTING_SPECS
     from specblock.train.drafters import TRAIN_SPECS
