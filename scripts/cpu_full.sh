@@ -27,6 +27,21 @@ for drafter in specblock eagle3; do
     trainer.keep_every="${!keep_var}" loss.curriculum.end="$(( ${!steps_var} / 2 ))"
 done
 
+# The math drafters: each fine-tuned on GSM8K's train split answered again by the target (README section
+# "A math drafter"); about 20 minutes each on one core. Offline the split comes from $SPECBLOCK_DATASETS.
+gsm8k=()
+if [ -n "${SPECBLOCK_DATASETS:-}" ]; then gsm8k=(data.corpus.source="$SPECBLOCK_DATASETS/gsm8k/train.jsonl"); fi
+for drafter in eagle3 specblock; do
+  if [ -f "checkpoints/cpu_full_math-${drafter}/drafter/config.json" ]; then
+    echo "cpu_full_math-${drafter}: exported already, skipped"
+    continue
+  fi
+  extra=(); [ "$drafter" = specblock ] && extra=(trainer.max_steps=40)
+  echo "== $(date -u +%H:%M) fine-tuning cpu_full_math-${drafter}"
+  "$py" -m specblock.train experiment=cpu_full_math drafter="$drafter" resume=latest \
+    init_from="checkpoints/cpu_full-${drafter}/drafter" "${gsm8k[@]}" "${extra[@]}"
+done
+
 echo "== $(date -u +%H:%M) scaling curve"
 "$py" scripts/scaling_curve.py checkpoints/cpu_full-specblock checkpoints/cpu_full-eagle3 --out docs/scaling_curve
 
@@ -35,4 +50,8 @@ echo "== $(date -u +%H:%M) speed of the best checkpoints (deployment precision, 
   'drafters={specblock: checkpoints/cpu_full-specblock/drafter, eagle3: checkpoints/cpu_full-eagle3/drafter}' \
   draft_length=auto trees.specblock.budget=auto trees.eagle3.budget=auto \
   'methods=[autoregressive,lookup,chain-token,tree,tree+lookup]'
+"$py" -m specblock.evaluate run_name=cpu_full_math target.dtype=auto limit=3 max_new_tokens=64 '~drafters.specblock' \
+  drafters.eagle3=checkpoints/cpu_full-eagle3/drafter +drafters.eagle3_math=checkpoints/cpu_full_math-eagle3/drafter \
+  +drafters.specblock_math=checkpoints/cpu_full_math-specblock/drafter draft_length=auto trees.eagle3.budget=auto \
+  trees.specblock.budget=auto 'methods=[autoregressive,lookup,tree,tree+lookup]'
 echo "== $(date -u +%H:%M) done"
