@@ -49,10 +49,13 @@ def draft_vocab(rows, vocab_size: int, size: int | None) -> torch.Tensor | None:
     return build_vocab_map(counts, size)[0]
 
 
-def read_init(folder: str | Path, drafter_cfg, layers: list[int]) -> dict[str, torch.Tensor]:
+def read_init(
+    folder: str | Path, drafter_cfg, layers: list[int], target_config: PretrainedConfig
+) -> dict[str, torch.Tensor]:
     """The weights of an exported drafter to start a run from (`init_from`), checked against the run's
-    drafter: the same architecture, drafter fields and target feature layers, or one error naming the
-    file and the fields that differ. Its d2t (the draft vocabulary) comes with it."""
+    drafter: the same architecture, drafter fields, target feature layers and target shape (vocabulary,
+    hidden size), or one error naming the file and the fields that differ. Its d2t (the draft vocabulary)
+    comes with it."""
     folder = Path(folder)
     config_path = folder / "config.json"
     if not config_path.is_file():
@@ -62,7 +65,12 @@ def read_init(folder: str | Path, drafter_cfg, layers: list[int]) -> dict[str, t
         raise ValueError(f"{config_path}: format {config.get('format')!r}, expected {EXPORT_FORMAT!r}")
     ours = {"architecture": drafter_cfg.name, "feature_layers": list(layers)}
     ours.update({f"drafter.{k}": v for k, v in asdict(drafter_cfg).items()})
+    ours.update(
+        {f"target.{k}": getattr(target_config.get_text_config(), k) for k in ("vocab_size", "hidden_size")}
+    )
     theirs = {"architecture": config.get("architecture"), "feature_layers": config.get("feature_layers")}
+    saved_target = config.get("target", {}).get("config", {})
+    theirs.update({f"target.{k}": saved_target.get(k) for k in ("vocab_size", "hidden_size")})
     theirs.update({f"drafter.{k}": v for k, v in config.get("drafter", {}).items()})
     differ = [f"{k} ({theirs.get(k)!r} there, {v!r} here)" for k, v in ours.items() if theirs.get(k) != v]
     if differ:
@@ -94,7 +102,7 @@ def build(cfg: TrainConfig) -> Built:
     train_idx, val_idx = split_indices(len(rows), val.fraction, val.max_rows, val.seed)
     rows, held_out = Subset(rows, train_idx), (Subset(rows, val_idx) if val_idx else None)
     drafter_cfg = replace(cfg.drafter, num_feature_layers=len(layers))
-    init = read_init(cfg.init_from, drafter_cfg, layers) if cfg.init_from else None
+    init = read_init(cfg.init_from, drafter_cfg, layers, target.config) if cfg.init_from else None
     d2t = init["d2t"] if init else draft_vocab(rows, target.config.vocab_size, cfg.drafter.draft_vocab_size)
     torch.manual_seed(cfg.trainer.seed)  # the drafter's initial weights depend on the seed alone
     module = build_drafter(

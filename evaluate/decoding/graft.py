@@ -19,6 +19,8 @@ from specblock.evaluate.decoding.trees import DraftTree, graft_chain
 
 
 class LookupGraft:
+    """One decoder's tree+lookup state (module docstring); `start` resets it for each generation."""
+
     def __init__(self, cfg: LookupConfig, length: int):
         self.lookup = LookupSession(cfg, length)
         self.pending: list[tuple[Tensor, Tensor, int]] = []  # (features, tokens after, first position)

@@ -5,6 +5,7 @@ offline features and the EAGLE-3 baseline go through the same loop."""
 import importlib.resources
 import logging
 import json
+import shutil
 from pathlib import Path
 
 
@@ -175,6 +176,15 @@ def test_a_run_initialised_from_an_exported_drafter_starts_from_its_weights(make
     with pytest.raises(
         ValueError, match=r"config.json: init_from .*drafter.draft_vocab_size \(24 there, 20 here\)"
     ):
+        run_mod.build(cfg)
+    other = Path(base.output_dir) / "other-target"  # the same drafter, exported for another target
+    shutil.copytree(base.output_dir + "/drafter", other)
+    config = json.loads((other / "config.json").read_text())
+    config["target"]["config"]["hidden_size"] = 999
+    (other / "config.json").write_text(json.dumps(config))
+    cfg = make_cfg(name="eagle3", out="wrong")
+    cfg.init_from = str(other)
+    with pytest.raises(ValueError, match=r"target.hidden_size \(999 there, \d+ here\)"):
         run_mod.build(cfg)
     cfg = make_cfg(name="specblock", out="wrong")
     cfg.init_from = base.output_dir + "/drafter"
