@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -13,6 +11,7 @@ from specblock.data.errors import ON_BAD_ROW
 from specblock.data.evalsets import EVAL_SETS
 from specblock.data.question_sets import CustomSetConfig
 from specblock.data.target import TargetConfig
+from specblock.train.export import export_config
 
 from .adapt import AdaptConfig
 from .decoding.drafters import default_trees
@@ -149,8 +148,8 @@ def architecture_of(folder: str) -> str | None:
     """The `architecture` an exported drafter folder's config.json names, None if it cannot be read (the
     run reports a missing or broken folder itself, naming it)."""
     try:
-        return json.loads((Path(folder) / "config.json").read_text()).get("architecture")
-    except (OSError, ValueError, AttributeError):
+        return export_config(folder).get("architecture")
+    except (OSError, ValueError):
         return None
 
 

@@ -124,14 +124,21 @@ def model_card(config: dict[str, Any], card: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def export_config(folder: str | Path) -> dict[str, Any]:
+    """An exported drafter folder's config.json, checked to be ours (`format`)."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found (expected an exported drafter folder)")
+    config = json.loads(path.read_text())
+    if config.get("format") != EXPORT_FORMAT:
+        raise ValueError(f"{path}: format {config.get('format')!r}, expected {EXPORT_FORMAT!r}")
+    return config
+
+
 def load_drafter(folder: str | Path) -> tuple[torch.nn.Module, dict[str, Any]]:
     """Rebuilds the exported drafter (eval mode) and returns it with its config.json."""
     folder = Path(folder)
-    config = json.loads((folder / "config.json").read_text())
-    if config.get("format") != EXPORT_FORMAT:
-        raise ValueError(
-            f"{folder / 'config.json'}: format {config.get('format')!r}, expected {EXPORT_FORMAT!r}"
-        )
+    config = export_config(folder)
     name = config["architecture"]
     target_dict = dict(config["target"]["config"])
     target_config = AutoConfig.for_model(target_dict.pop("model_type"), **target_dict)

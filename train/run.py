@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -25,7 +24,7 @@ from .batching import collate
 from .checkpoint import list_checkpoints, step_dir
 from .config import TrainConfig
 from .drafters import build_drafter, train_spec
-from .export import EXPORT_FORMAT, export_checkpoint
+from .export import export_checkpoint, export_config
 from .modeling import build_vocab_map, count_tokens
 from .strategy import DrafterStrategy
 from .tracking import is_main, log0
@@ -56,13 +55,7 @@ def read_init(
     drafter: the same architecture, drafter fields, target feature layers and target shape (vocabulary,
     hidden size), or one error naming the file and the fields that differ. Its d2t (the draft vocabulary)
     comes with it."""
-    folder = Path(folder)
-    config_path = folder / "config.json"
-    if not config_path.is_file():
-        raise FileNotFoundError(f"init_from: {config_path} not found (expected an exported drafter folder)")
-    config = json.loads(config_path.read_text())
-    if config.get("format") != EXPORT_FORMAT:
-        raise ValueError(f"{config_path}: format {config.get('format')!r}, expected {EXPORT_FORMAT!r}")
+    config = export_config(folder)
     ours = {"architecture": drafter_cfg.name, "feature_layers": list(layers)}
     ours.update({f"drafter.{k}": v for k, v in asdict(drafter_cfg).items()})
     ours.update(
@@ -74,8 +67,10 @@ def read_init(
     theirs.update({f"drafter.{k}": v for k, v in config.get("drafter", {}).items()})
     differ = [f"{k} ({theirs.get(k)!r} there, {v!r} here)" for k, v in ours.items() if theirs.get(k) != v]
     if differ:
-        raise ValueError(f"{config_path}: init_from does not fit this run's drafter: {'; '.join(differ)}")
-    return load_file(str(folder / "model.safetensors"))
+        raise ValueError(
+            f"{Path(folder) / 'config.json'}: init_from does not fit this run's drafter: {'; '.join(differ)}"
+        )
+    return load_file(str(Path(folder) / "model.safetensors"))
 
 
 @dataclass

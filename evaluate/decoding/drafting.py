@@ -23,7 +23,6 @@ share a prefix share its work.
 from __future__ import annotations
 
 import inspect
-
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple

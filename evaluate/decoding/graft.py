@@ -9,8 +9,8 @@
 
 from __future__ import annotations
 
-from torch import Tensor
 import torch
+from torch import Tensor
 
 from specblock.evaluate.decoding.budget import AutoBudget
 from specblock.evaluate.decoding.drafting import DrafterSession, Root

@@ -402,9 +402,7 @@ class SpeculativeDecoder:
         verify_seconds = time.perf_counter() - t0 - (self.drafter.cost.seconds - drafted_before)
         path = verified.path
         self._drafter_accepted = len(path)
-        if (
-            self.graft is not None
-        ):  # who drafted the accepted nodes; the drafter's drafting is all done by now
+        if self.graft is not None:  # who drafted the accepted nodes (drafting is all done by now)
             self._drafter_accepted = self.graft.observe(path, tree, self.auto, self.drafter.cost.seconds)
         emitted = [tree.tokens[n] for n in path] + [verified.next_token]
         self.target.keep(committed, [0, *path])

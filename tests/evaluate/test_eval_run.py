@@ -21,7 +21,7 @@ from specblock.evaluate.config import METHODS, EvalConfig, parse_method, registe
 from specblock.evaluate.pipeline import DRAFTERS, build_parser, compose_eval, config_diff, stage_overrides
 from specblock.evaluate.reporting.report import read_jsonl
 from specblock.evaluate.run import evaluate
-from specblock.train.export import export_drafter
+from specblock.train.export import EXPORT_FORMAT, export_drafter
 from specblock.train.drafters import build_drafter
 from specblock.train.modeling.eagle3 import Eagle3Config
 from specblock.train.modeling.specblock import SpecBlockConfig
@@ -53,7 +53,7 @@ def test_a_drafter_named_otherwise_takes_its_architectures_tree(tmp_path):
     """Two EAGLE-3 drafters side by side: the second, under its own name, gets trees.eagle3 (as set)."""
     folder = tmp_path / "math"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"architecture": "eagle3"}))
+    (folder / "config.json").write_text(json.dumps({"format": EXPORT_FORMAT, "architecture": "eagle3"}))
     cfg = EvalConfig(drafters={"eagle3": "x", "eagle3_math": str(folder)}, methods=["tree"])
     assert cfg.trees["eagle3_math"] == cfg.trees["eagle3"]
     assert cfg.trees["eagle3_math"] is not cfg.trees["eagle3"]  # a copy: setting one leaves the other
