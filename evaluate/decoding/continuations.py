@@ -14,7 +14,6 @@ import torch
 from torch import Tensor
 
 from specblock.evaluate.decoding.drafting import Prefix, Root
-from specblock.evaluate.decoding.trees import DraftTree
 from specblock.evaluate.verify.residuals import into
 
 
@@ -57,9 +56,10 @@ class Level:
     def prefetch(self, queries: set[Prefix]) -> None:
         """Before `law` is asked for `queries` (absolute prefixes of generated tokens, closed under taking
         prefixes): compute the draft laws it will read in batched drafter calls (one per depth) instead of
-        one call per prefix as the coupling asks for them. (Batching the coupling's residual masses too,
-        one pass over [rows, V] per stage, measured no faster: ~32 us of arithmetic per row at V = 49k
-        dominates either way.)"""
+        one call per prefix as the coupling asks for them, then the coupling's residual masses, one
+        batched pass over [rows, V] per stage (`prepare`). Over the full 49k vocabulary batching did not pay
+        (~32 us of arithmetic per row dominated); over the verification columns (columns.py) a row is 8k
+        numbers and the per-call overhead is what batching saves."""
         if self.cont is None:
             return
         reads = getattr(self.cont, "reads_draft", lambda y: True)
@@ -67,6 +67,8 @@ class Level:
         ys = sorted({g[self.start :] for g in asked if reads(g[self.start :])}, key=len)
         if ys:
             self.root.prefetch(ys)
+            if hasattr(self.cont, "prepare"):  # its residual masses, one batched pass per stage
+                self.cont.prepare(ys, *self._lookups(asked[0][: self.start]))
 
     def freeze(self, out: Prefix) -> None:
         """Once the emitted tokens reach the horizon, the next level can only ask about committed
@@ -115,10 +117,11 @@ class LawBook:
         for lv in live:
             lv.prefetch(closed)
 
-    def add_rows(self, base: Prefix, tree: DraftTree, laws: Tensor) -> None:
-        """laws [N, V]: the target's (tempered) law at each node of a tree drafted after `base`."""
-        for n in range(len(tree)):
-            self.plain[base + tree.path_tokens(n)] = laws[n]
+    def add_rows(self, base: Prefix, paths: list[Prefix], laws: Tensor) -> None:
+        """laws [N, V]: the target's (tempered) law at each node of a tree drafted after `base`; paths[n]:
+        node n's tokens after the root."""
+        for n, y in enumerate(paths):
+            self.plain[base + y] = laws[n]
 
     def carry(self, base: Prefix, horizon: int, cont, root: Root, out: Prefix) -> None:
         """After the iteration that started at `base` emitted up to `out`: put its continuation in force,

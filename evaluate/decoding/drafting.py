@@ -83,10 +83,10 @@ class DraftState(NamedTuple):
         ]
 
 
-def scatter_law(law: Tensor, d2t: Tensor, vocab_size: int) -> Tensor:
-    """[..., Vd] law over the draft vocabulary -> [..., V] over the target's (0 outside d2t)."""
-    out = law.new_zeros(*law.shape[:-1], vocab_size)
-    return out.index_copy_(-1, d2t, law) if law.dim() == 1 else out.scatter_(-1, d2t.expand_as(law), law)
+def column_law(law: Tensor) -> Tensor:
+    """[..., Vd] law over the draft vocabulary -> [..., Vd + 1] over the verification columns (columns.py:
+    the draft ids, then 0 for every other target id)."""
+    return torch.nn.functional.pad(law, (0, 1))
 
 
 class Root:
@@ -112,13 +112,13 @@ class Root:
         return torch.stack([self._states[self.key_of(y)].logits[len(y) % self.width] for y in prefixes])
 
     def law(self, prefix: Prefix) -> Tensor:
-        """[V] draft law (temperature / top-p applied) after `prefix`, over the target vocabulary, float32
-        (the verifiers accumulate their scalars in float64); memoised per `law_key`."""
+        """[Vd + 1] draft law (temperature / top-p applied) after `prefix` (target ids) over the verification
+        columns (columns.py: the draft ids, then 0 for the rest), float32 (the verifiers accumulate their
+        scalars in float64); memoised per `law_key`."""
         key = self.law_key(prefix)
         if key not in self._laws:
             logits = self.logits([prefix])[0]
-            law = next_token_law(logits, self.session.temperature, self.session.top_p)
-            self._laws[key] = scatter_law(law, self.session.d2t, self.session.vocab_size)
+            self._laws[key] = column_law(next_token_law(logits, self.session.temperature, self.session.top_p))
         return self._laws[key]
 
     def law_key(self, prefix: Prefix) -> tuple:
@@ -162,6 +162,7 @@ class DrafterSession:
         self.temperature, self.top_p = temperature, top_p
         self.tree_builder = tree_builder
         self.d2t = drafter.d2t
+        self.ids: list[int] = self.d2t.tolist()  # column c of a draft law -> its target id
         self.device = drafter.d2t.device
         self.dtype = next(drafter.parameters()).dtype
         self.cost = DraftCost()
@@ -240,7 +241,8 @@ def stack_caches(caches: list[DraftCache]) -> DraftCache:
 def sample_drafts(root: Root, num_drafts: int, length: int, sampler):
     """K i.i.d. drafts of L tokens from the draft law, depth by depth (one batched call per new depth),
     drawn with `sampler` (verify/randomness.py).
-    Returns tokens [K, L] int64 (target ids) and draft_probs [K, L, V] float32."""
+    Returns tokens [K, L] int64 (target ids) and draft_probs [K, L, Vd + 1] float32 (over the columns)."""
+    ids = root.session.ids
     drafts: list[list[int]] = [[] for _ in range(num_drafts)]
     rows: list[list[Tensor]] = [[] for _ in range(num_drafts)]
     for _ in range(length):
@@ -249,7 +251,7 @@ def sample_drafts(root: Root, num_drafts: int, length: int, sampler):
         for k, y in enumerate(prefixes):
             law = root.law(y)
             rows[k].append(law)
-            drafts[k].append(int(sampler.categorical(law)))
+            drafts[k].append(ids[int(sampler.categorical(law))])
     return torch.tensor(drafts, dtype=torch.int64), torch.stack([torch.stack(r) for r in rows])
 
 

@@ -33,6 +33,7 @@ from torch import Tensor
 
 from specblock.data.target import FeatureTarget
 from specblock.evaluate.decoding.budget import FORWARD_GRID, AutoBudget, measure_forward_curve
+from specblock.evaluate.decoding.columns import ColumnRoot, DraftColumns
 from specblock.evaluate.decoding.continuations import LawBook
 from specblock.evaluate.decoding.drafters import make_session
 from specblock.evaluate.decoding.drafting import Prefix, Root, greedy_draft, sample_drafts
@@ -136,7 +137,7 @@ class Generation:
 
 class Draft(NamedTuple):
     """One iteration's draft. tree: what the target verifies. For chain, iid and lookup also tokens [K, L]
-    (target ids), their draft laws probs [K, L, V] float32 (None where nothing reads them: temperature 0,
+    (target ids), their draft laws probs [K, L, V] float32 (a drafter's: [K, L, Vd+1], columns.py) (None where nothing reads them: temperature 0,
     lookup at temperature 0) and nodes[k][i] = the tree node of draft k's first i tokens; a dynamic tree
     has none of the three."""
 
@@ -193,6 +194,9 @@ class SpeculativeDecoder:
         self.verifier = get_verifier(cfg.verifier) if cfg.mode in ("chain", "iid", "lookup") else None
         self.cross = cfg.mode in ("chain", "iid") and cfg.verifier in CROSS_ITERATION
         self.greedy = cfg.temperature == GREEDY
+        # drafts sampled from a drafter are verified over its draft vocabulary's columns (columns.py)
+        sampled = not self.greedy and cfg.mode in ("chain", "iid")
+        self.columns = DraftColumns(self.drafter.d2t, target.vocab_size) if sampled else None
         # trees.<drafter>.budget=auto: the tree's size chosen per iteration from measured costs (budget.py)
         auto_tree = cfg.mode in TREE_MODES and cfg.tree.budget == AUTO
         self.auto = AutoBudget() if auto_tree or cfg.auto_length else None
@@ -367,9 +371,9 @@ class SpeculativeDecoder:
                 index = int(probs.argmax())
                 token, p = int(root.session.d2t[index]), float(probs[index])
             else:
-                law = root.law(y)
-                token = int(gen.categorical(law))
-                p = float(law[token])
+                law = root.law(y)  # over the columns (columns.py)
+                col = int(gen.categorical(law))
+                token, p = root.session.ids[col], float(law[col])
                 rows.append(law)
             y += (token,)
             confidences.append(p * (confidences[-1] if confidences else 1.0))
@@ -407,7 +411,10 @@ class SpeculativeDecoder:
         emitted = [tree.tokens[n] for n in path] + [verified.next_token]
         self.target.keep(committed, [0, *path])
         if self.cross:
-            book.carry(base, self.cfg.draft_length, verified.continuation, root, base + tuple(emitted))
+            cols, after = self.columns, base + tuple(emitted)
+            if cols is not None:  # the book's prefixes are columns (columns.py)
+                base, after, root = cols.cols(base), cols.cols(after), ColumnRoot(root, cols)
+            book.carry(base, self.cfg.draft_length, verified.continuation, root, after)
         else:
             book.plain.clear()
         # the verified positions: the root and the accepted nodes, each with the token after it
@@ -440,15 +447,22 @@ class SpeculativeDecoder:
         if draft.tokens is None:  # a dynamic tree, target-only rule
             res = verify_tree(_as_token_tree(draft.tree), laws, mode="deterministic", sampler=gen)
             return Verified(res.path, res.next_token)
-        book.add_rows(base, draft.tree, laws)
-        L = draft.tokens.shape[1]
-        prefixes = [[base + tuple(row[:i]) for i in range(L + 1)] for row in draft.tokens.tolist()]
+        cols, rows, tokens = self.columns, laws, draft.tokens
+        paths = [draft.tree.path_tokens(n) for n in range(len(draft.tree))]
+        if cols is not None:  # a drafter's draft: its vocabulary's columns and one for the rest (columns.py)
+            rows, base, paths = cols.target(laws), cols.cols(base), [cols.cols(y) for y in paths]
+            tokens = torch.tensor([cols.cols(x) for x in tokens.tolist()], dtype=torch.int64)
+        book.add_rows(base, paths, rows)
+        L = tokens.shape[1]
+        prefixes = [[base + tuple(row[:i]) for i in range(L + 1)] for row in tokens.tolist()]
         book.prefetch([g for row in prefixes for g in row])
-        target_probs = book.laws(prefixes)  # [K, L+1, V]
-        res = self.verifier(target_probs, draft.probs, draft.tokens, sampler=gen)
-        return Verified(
-            draft.nodes[res.draft_index][1 : res.num_accepted + 1], res.next_token, res.continuation
-        )
+        target_probs = book.laws(prefixes)  # [K, L+1, V] (columns: [K, L+1, Vd+1])
+        res = self.verifier(target_probs, draft.probs, tokens, sampler=gen)
+        nodes = draft.nodes[res.draft_index]
+        token = res.next_token
+        if cols is not None:  # the rest column: the token from the target's law there (columns.py)
+            token = cols.token(token, laws[nodes[res.num_accepted]], gen)
+        return Verified(nodes[1 : res.num_accepted + 1], token, res.continuation)
 
 
 def chain_draft(tokens: Tensor, probs: Tensor | None) -> Draft:

@@ -123,6 +123,22 @@ class Coupling:
             self._law[key] = self._after_stage(self.stages[j - 1], j, y)
         return self._law[key]
 
+    def prepare(self, ys: list[Prefix]) -> None:
+        """Before the laws after `ys` (closed under taking prefixes) are asked: go through the stages in
+        order and give every row's new residual mass of a stage in ONE batched pass (`Rows.prefetch_masses`)
+        instead of one pass per row as `law` asks; `law` then finds them all."""
+        ys = sorted(set(ys), key=len)
+        for j, st in enumerate(self.stages, start=1):
+            todo = []
+            for y in ys:
+                if (j, y) in self._law:
+                    continue
+                prev, t = self.law(j - 1, y), self.joint(j - 1, y)
+                if t <= 0.0 or len(y) < st.accepted or len(y) >= self.horizon or prev.token is not None:
+                    continue  # _after_stage's cases that read no new mass
+                todo.append((y, self.residual_lam(y, prev, t, self.draft_joint(y))))
+            self.rows.prefetch_masses(todo)
+
     def _after_stage(self, stage: Stage, j: int, y: Prefix) -> RowLaw:
         prev, t = self.law(j - 1, y), self.joint(j - 1, y)
         if t <= 0.0:  # y lost all probability: a dead row, never read
@@ -168,6 +184,13 @@ class RGBVContinuation:
         """Whether the law after `prefix` may read draft laws (along it): not past the horizon, nor after
         a prefix of probability 0 (committed_reach), where the plain target is returned."""
         return len(prefix) < self.horizon and committed_reach(self.stages, prefix) >= len(prefix)
+
+    def prepare(self, prefixes: list[tuple[int, ...]], target_probs_at: LawAt, draft_probs_at: LawAt) -> None:
+        """Before the laws after `prefixes` (closed under taking prefixes) are asked with these lookups: their
+        residual masses, one batched pass per stage (`Coupling.prepare`)."""
+        ys = [tuple(y) for y in prefixes if self.reads_draft(tuple(y))]
+        if ys:
+            self._coupling(target_probs_at, draft_probs_at).prepare(ys)
 
     def __call__(
         self,

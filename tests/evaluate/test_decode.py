@@ -18,7 +18,17 @@ from specblock.evaluate.decoding.trees import DraftTree, TreeConfig, drafts_tree
 from specblock.evaluate.verify import VerifyOutput, greedy_path
 from specblock.evaluate.verify import base as verify_base
 
-from tiny_decoding import HORIZON, PROMPT, VOCAB, drafters, exact_law, loop_law, max_error, tiny_target
+from tiny_decoding import (
+    HORIZON,
+    PROMPT,
+    VOCAB,
+    OracleRoot,
+    drafters,
+    exact_law,
+    loop_law,
+    max_error,
+    tiny_target,
+)
 
 SCHEMES = [  # (mode, verifier, num_drafts)
     ("chain", "token", 1),
@@ -89,57 +99,6 @@ def test_greedy_equality_with_an_accurate_drafter(greedy_setup):
             assert sum(it.accepted for it in out.iterations) >= len(ref) // 2, (mode, out.iterations)
     finally:
         oracle.uninstall()
-
-
-class OracleRoot:
-    """Patches the drafter's logits after any prefix with `fn(generated tokens + prefix)` (the real drafter
-    still runs, caches and all; only its output law is replaced): a test's way to choose the draft law."""
-
-    def __init__(self, fn, prompt_len: int):
-        from specblock.evaluate.decoding import drafting
-
-        self.drafting, self.saved = drafting, [(drafting.Root, "logits", drafting.Root.logits)]
-        original = drafting.Root.logits
-
-        def logits(root, prefixes):
-            out = original(root, prefixes).clone()
-            for i, y in enumerate(prefixes):
-                out[i] = fn(root._generated + tuple(y), out[i])
-            return out
-
-        drafting.Root.logits = logits
-        # the patched law depends on the whole prefix, also within a SpecBlock block: memoise per prefix
-        self.saved.append((drafting.Root, "law_key", drafting.Root.law_key))
-        drafting.Root.law_key = lambda root, prefix: prefix
-        adv = drafting.DrafterSession.advance
-        self.saved.append((drafting.DrafterSession, "advance", adv))
-
-        def advance(sess, features, tokens, position):
-            root = adv(sess, features, tokens, position)
-            hist = sess.__dict__.setdefault("_hist", [])
-            del hist[position:]
-            hist += tokens.tolist()  # hist[j] = the token at absolute index j + 1
-            root._generated = tuple(hist[prompt_len - 1 :])
-            return root
-
-        drafting.DrafterSession.advance = advance
-
-    @classmethod
-    def install(cls, target, prompt, ref):
-        """Draft argmax = the target's greedy token after every prefix of `ref`."""
-        table = {tuple(ref[:n]): ref[n] for n in range(len(ref))}
-
-        def fn(g, row):
-            if g in table:
-                row = torch.full_like(row, -10.0)
-                row[table[g]] = 10.0
-            return row
-
-        return cls(fn, len(prompt))
-
-    def uninstall(self):
-        for owner, name, fn in self.saved:
-            setattr(owner, name, fn)
 
 
 # ---------------------------------------------------------------- statistical fidelity
@@ -572,8 +531,8 @@ def test_specblock_draft_laws_are_formed_once_per_slot(greedy_setup, monkeypatch
 
     target, ds = greedy_setup
     formed = []
-    scatter = drafting.scatter_law
-    monkeypatch.setattr(drafting, "scatter_law", lambda *a: formed.append(1) or scatter(*a))
+    column = drafting.column_law
+    monkeypatch.setattr(drafting, "column_law", lambda *a: formed.append(1) or column(*a))
     cfg = DecodeConfig("iid", "spectr", 4, 3, 1.0, max_new_tokens=2)  # one iteration: 4 drafts in one block
     g = SpeculativeDecoder(target, ds["specblock"], cfg).generate(PROMPT, seed=0)
     assert len(g.iterations) == 1 and len(formed) == 3  # one law per slot (block_size 3), not per prefix

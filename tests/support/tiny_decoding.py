@@ -81,3 +81,54 @@ def loop_law(target, drafter, cfg: DecodeConfig, carry: bool = True, prompt=PROM
 
 def max_error(a: dict, b: dict) -> float:
     return max(abs(a.get(x, 0.0) - b.get(x, 0.0)) for x in set(a) | set(b))
+
+
+class OracleRoot:
+    """Patches the drafter's logits after any prefix with `fn(generated tokens + prefix)` (the real drafter
+    still runs, caches and all; only its output law is replaced): a test's way to choose the draft law."""
+
+    def __init__(self, fn, prompt_len: int):
+        from specblock.evaluate.decoding import drafting
+
+        self.drafting, self.saved = drafting, [(drafting.Root, "logits", drafting.Root.logits)]
+        original = drafting.Root.logits
+
+        def logits(root, prefixes):
+            out = original(root, prefixes).clone()
+            for i, y in enumerate(prefixes):
+                out[i] = fn(root._generated + tuple(y), out[i])
+            return out
+
+        drafting.Root.logits = logits
+        # the patched law depends on the whole prefix, also within a SpecBlock block: memoise per prefix
+        self.saved.append((drafting.Root, "law_key", drafting.Root.law_key))
+        drafting.Root.law_key = lambda root, prefix: prefix
+        adv = drafting.DrafterSession.advance
+        self.saved.append((drafting.DrafterSession, "advance", adv))
+
+        def advance(sess, features, tokens, position):
+            root = adv(sess, features, tokens, position)
+            hist = sess.__dict__.setdefault("_hist", [])
+            del hist[position:]
+            hist += tokens.tolist()  # hist[j] = the token at absolute index j + 1
+            root._generated = tuple(hist[prompt_len - 1 :])
+            return root
+
+        drafting.DrafterSession.advance = advance
+
+    @classmethod
+    def install(cls, target, prompt, ref):
+        """Draft argmax = the target's greedy token after every prefix of `ref`."""
+        table = {tuple(ref[:n]): ref[n] for n in range(len(ref))}
+
+        def fn(g, row):
+            if g in table:
+                row = torch.full_like(row, -10.0)
+                row[table[g]] = 10.0
+            return row
+
+        return cls(fn, len(prompt))
+
+    def uninstall(self):
+        for owner, name, fn in self.saved:
+            setattr(owner, name, fn)
