@@ -124,20 +124,52 @@ class Coupling:
         return self._law[key]
 
     def prepare(self, ys: list[Prefix]) -> None:
-        """Before the laws after `ys` (closed under taking prefixes) are asked: go through the stages in
-        order and give every row's new residual mass of a stage in ONE batched pass (`Rows.prefetch_masses`)
-        instead of one pass per row as `law` asks; `law` then finds them all."""
-        ys = sorted(set(ys), key=len)
-        for j, st in enumerate(self.stages, start=1):
-            todo = []
-            for y in ys:
-                if (j, y) in self._law:
-                    continue
-                prev, t = self.law(j - 1, y), self.joint(j - 1, y)
-                if t <= 0.0 or len(y) < st.accepted or len(y) >= self.horizon or prev.token is not None:
-                    continue  # _after_stage's cases that read no new mass
-                todo.append((y, self.residual_lam(y, prev, t, self.draft_joint(y))))
-            self.rows.prefetch_masses(todo)
+        """Before the laws after `ys` are asked: every row's law and joint after every stage, computed stage
+        by stage over all rows at once (the same arithmetic as `law` and `joint`, whose memos it fills):
+        the rows' q and p stacked once, each stage's new residual masses in ONE pass over [rows, V]
+        (`residual_masses`), the scalars in flat lists instead of the memoised recursion."""
+        ys = sorted({y[:m] for y in ys for m in range(len(y) + 1)}, key=len)  # parents before children
+        rows, n_stages, horizon = self.rows, len(self.stages), self.horizon
+        parent = {y: r for r, y in enumerate(ys)}
+        up = [parent[y[:-1]] if y else -1 for y in ys]
+        draft = [self.draft_joint(y) for y in ys]
+        stacked = [r for r, y in enumerate(ys) if len(y) < horizon]  # rows that may take a new mass
+        slot = {r: i for i, r in enumerate(stacked)}
+        q = torch.stack([working(rows.target_at(ys[r])) for r in stacked]) if stacked else None
+        p = torch.stack([rows.draft_at(ys[r]) for r in stacked]).to(q.dtype) if stacked else None
+        law = [RowLaw()] * len(ys)  # after stage j (j = 0: the plain target)
+        for j in range(n_stages + 1):
+            joint = [1.0] * len(ys)  # T_j along each row's prefix
+            for r in range(1, len(ys)):  # ys[0] is the block start ()
+                y = ys[r]
+                t = self._joint.get((j, y))
+                if t is None:
+                    t = self._joint[(j, y)] = joint[up[r]] * law[up[r]].prob(rows, y[:-1], y[-1])
+                joint[r] = t
+            if j == n_stages:
+                return
+            st, nxt, todo = self.stages[j], list(law), []
+            for r, y in enumerate(ys):  # _after_stage's cases, the new masses left for one pass
+                key, prev, t = (j + 1, y), law[r], joint[r]
+                if key in self._law:
+                    nxt[r] = self._law[key]
+                elif t <= 0.0:
+                    nxt[r] = self._law[key] = prev
+                elif len(y) < st.accepted:
+                    nxt[r] = self._law[key] = RowLaw(token=st.tokens[len(y)])
+                elif len(y) >= horizon or prev.token is not None:
+                    nxt[r] = self._law[key] = prev
+                else:
+                    todo.append((r, self.residual_lam(y, prev, t, draft[r])))
+            if todo:
+                lam = [0.0] * len(stacked)
+                for r, v in todo:
+                    lam[slot[r]] = v
+                masses = residual_masses(q, p, lam)
+                for r, v in todo:
+                    m = rows.remember_mass(ys[r], v, masses[slot[r]])
+                    nxt[r] = self._law[(j + 1, ys[r])] = RowLaw(v) if m > 0 else law[r]
+            law = nxt
 
     def _after_stage(self, stage: Stage, j: int, y: Prefix) -> RowLaw:
         prev, t = self.law(j - 1, y), self.joint(j - 1, y)

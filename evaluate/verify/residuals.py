@@ -115,16 +115,9 @@ class Rows:
             self._mass[key] = residual_mass(working(self.target_at(y)), self.draft_at(y), lam)
         return self._mass[key]
 
-    def prefetch_masses(self, items: list[tuple[Prefix, float]]) -> None:
-        """Compute the residual masses S(lam) of rows (y, lam) not yet known in ONE pass over [rows, V] (the
-        rows stacked), so that `mass` finds them: one batched call instead of one per row, which pays where
-        a row is short (the verification columns, decoding/columns.py) and per-call overhead dominates."""
-        todo = list(dict.fromkeys(k for k in items if k[1] != 0.0 and k not in self._mass))
-        if len(todo) < 2:
-            return
-        q = torch.stack([working(self.target_at(y)) for y, _ in todo])
-        p = torch.stack([self.draft_at(y) for y, _ in todo])
-        self._mass.update(zip(todo, residual_masses(q, p, [lam for _, lam in todo])))
+    def remember_mass(self, y: Prefix, lam: float, s: float) -> float:
+        """Keep S(lam) of row y computed elsewhere (a batched pass); a known value stays. Returns the kept one."""
+        return self._mass.setdefault((y, lam), s)
 
     def residual(self, y: Prefix, lam: float) -> torch.Tensor:
         """(q - lam p)_+ as a new [V] tensor (unnormalised; the sampler normalises in float64)."""
