@@ -125,51 +125,62 @@ class Coupling:
 
     def prepare(self, ys: list[Prefix]) -> None:
         """Before the laws after `ys` are asked: every row's law and joint after every stage, computed stage
-        by stage over all rows at once (the same arithmetic as `law` and `joint`, whose memos it fills):
-        the rows' q and p stacked once, each stage's new residual masses in ONE pass over [rows, V]
+        by stage over all rows at once (the arithmetic of `law` and `joint`, whose memos it fills): the rows'
+        q and p stacked once, each stage's new residual masses in ONE pass over [rows, V]
         (`residual_masses`), the scalars in flat lists instead of the memoised recursion."""
-        ys = sorted({y[:m] for y in ys for m in range(len(y) + 1)}, key=len)  # parents before children
-        rows, n_stages, horizon = self.rows, len(self.stages), self.horizon
-        parent = {y: r for r, y in enumerate(ys)}
-        up = [parent[y[:-1]] if y else -1 for y in ys]
+        ys = sorted({y[:m] for y in ys for m in range(len(y) + 1)}, key=len)  # ys[0] = (), parents first
+        rows, horizon, n = self.rows, self.horizon, len(ys)
+        where = {y: r for r, y in enumerate(ys)}
+        up = [-1] + [where[y[:-1]] for y in ys[1:]]
+        qx = [1.0] + [rows.q(y[:-1], y[-1]) for y in ys[1:]]  # the row's last token under its parent row
+        px = [1.0] + [rows.p(y[:-1], y[-1]) for y in ys[1:]]
         draft = [self.draft_joint(y) for y in ys]
         stacked = [r for r, y in enumerate(ys) if len(y) < horizon]  # rows that may take a new mass
         slot = {r: i for i, r in enumerate(stacked)}
-        q = torch.stack([working(rows.target_at(ys[r])) for r in stacked]) if stacked else None
-        p = torch.stack([rows.draft_at(ys[r]) for r in stacked]).to(q.dtype) if stacked else None
-        law = [RowLaw()] * len(ys)  # after stage j (j = 0: the plain target)
-        for j in range(n_stages + 1):
-            joint = [1.0] * len(ys)  # T_j along each row's prefix
-            for r in range(1, len(ys)):  # ys[0] is the block start ()
-                y = ys[r]
-                t = self._joint.get((j, y))
+        q = torch.stack([working(rows.target_at(ys[r])) for r in stacked])
+        p = torch.stack([rows.draft_at(ys[r]) for r in stacked]).to(q.dtype)
+        law = [RowLaw()] * n  # after stage j (j = 0: the plain target), with lam, token and S(lam)
+        lam, token, mass = [0.0] * n, [None] * n, [1.0] * n
+        for j in range(len(self.stages) + 1):
+            joint = [1.0] * n  # T_j along each row's prefix (RowLaw.prob, inlined)
+            for r in range(1, n):
+                t = self._joint.get((j, ys[r]))
                 if t is None:
-                    t = self._joint[(j, y)] = joint[up[r]] * law[up[r]].prob(rows, y[:-1], y[-1])
+                    u = up[r]
+                    if token[u] is not None:
+                        t = joint[u] * (1.0 if ys[r][-1] == token[u] else 0.0)
+                    elif lam[u] == 0.0:
+                        t = joint[u] * qx[r]
+                    else:
+                        t = joint[u] * (max(qx[r] - lam[u] * px[r], 0.0) / mass[u] if mass[u] > 0 else 0.0)
+                    self._joint[(j, ys[r])] = t
                 joint[r] = t
-            if j == n_stages:
+            if j == len(self.stages):
                 return
-            st, nxt, todo = self.stages[j], list(law), []
+            st, todo = self.stages[j], []
             for r, y in enumerate(ys):  # _after_stage's cases, the new masses left for one pass
-                key, prev, t = (j + 1, y), law[r], joint[r]
-                if key in self._law:
-                    nxt[r] = self._law[key]
-                elif t <= 0.0:
-                    nxt[r] = self._law[key] = prev
-                elif len(y) < st.accepted:
-                    nxt[r] = self._law[key] = RowLaw(token=st.tokens[len(y)])
-                elif len(y) >= horizon or prev.token is not None:
-                    nxt[r] = self._law[key] = prev
-                else:
-                    todo.append((r, self.residual_lam(y, prev, t, draft[r])))
+                key, t = (j + 1, y), joint[r]
+                known = self._law.get(key)
+                if known is not None:
+                    law[r], lam[r], token[r] = known, known.lam, known.token
+                    mass[r] = 1.0 if known.token is not None else rows.mass(y, known.lam)
+                elif t > 0.0 and len(y) < st.accepted:
+                    law[r] = self._law[key] = RowLaw(token=st.tokens[len(y)])
+                    lam[r], token[r], mass[r] = 0.0, st.tokens[len(y)], 1.0
+                elif t <= 0.0 or len(y) >= horizon or token[r] is not None:
+                    self._law[key] = law[r]
+                else:  # lam' = lam + P(y) S(lam) / T(y) (residual_lam)
+                    todo.append((r, lam[r] + draft[r] * mass[r] / t))
             if todo:
-                lam = [0.0] * len(stacked)
+                lams = [0.0] * len(stacked)
                 for r, v in todo:
-                    lam[slot[r]] = v
-                masses = residual_masses(q, p, lam)
+                    lams[slot[r]] = v
+                masses = residual_masses(q, p, lams)
                 for r, v in todo:
                     m = rows.remember_mass(ys[r], v, masses[slot[r]])
-                    nxt[r] = self._law[(j + 1, ys[r])] = RowLaw(v) if m > 0 else law[r]
-            law = nxt
+                    if m > 0:
+                        law[r], lam[r], mass[r] = RowLaw(v), v, m
+                    self._law[(j + 1, ys[r])] = law[r]
 
     def _after_stage(self, stage: Stage, j: int, y: Prefix) -> RowLaw:
         prev, t = self.law(j - 1, y), self.joint(j - 1, y)
