@@ -14,7 +14,7 @@ from specblock.train.drafters import build_drafter
 from specblock.train.modeling.eagle3 import Eagle3Config
 from specblock.train.modeling.specblock import SpecBlockConfig
 
-from tiny_decoding import PROMPT, OracleRoot, exact_law, loop_law, max_error, tiny_target
+from tiny_decoding import PROMPT, OracleRoot, exact_law, loop_law, max_error, near_target_law, tiny_target
 
 V = 24
 REST = [5, 12, 18, 23]  # target ids outside the draft vocabulary; 12 and 23 are likely under the target
@@ -43,17 +43,7 @@ def setup():  # function scope: its patch of the drafting code must not outlive 
     ref = exact_law(target, 1.0, 0.5, horizon=HORIZON)
     rest = sum(w for seq, w in ref.items() if set(seq) & set(REST))
     assert rest > 0.5  # the rest column is drawn often: the case this file is about
-    cache = {}
-
-    def near(g, row):  # the target's logits at the draft ids plus fixed noise
-        if g not in cache:
-            with torch.no_grad():
-                lg = target.model(torch.tensor([PROMPT + list(g)])).logits[0, -1, D2T].float()
-            noise = torch.randn(lg.shape, generator=torch.Generator().manual_seed(len(g) * 1000 + sum(g)))
-            cache[g] = lg + noise * lg.std()
-        return cache[g]
-
-    patch = OracleRoot(near, len(PROMPT))
+    patch = OracleRoot(near_target_law(target, D2T), len(PROMPT))
     yield target, ref
     patch.uninstall()
 

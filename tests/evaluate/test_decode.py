@@ -27,6 +27,7 @@ from tiny_decoding import (
     exact_law,
     loop_law,
     max_error,
+    near_target_law,
     tiny_target,
 )
 
@@ -312,17 +313,7 @@ def exact_setup():  # function scope: its patch of the drafting code must not ou
     often accepted in part: the case where a missing continuation shows."""
     target = tiny_target(VOCAB, 12.0, seed=2)
     ds = drafters(target, seed=3)
-    cache = {}
-
-    def near(g, row):
-        if g not in cache:
-            with torch.no_grad():
-                lg = target.model(torch.tensor([PROMPT + list(g)])).logits[0, -1].float()
-            noise = torch.randn(lg.shape, generator=torch.Generator().manual_seed(len(g) * 1000 + sum(g)))
-            cache[g] = lg + noise * lg.std()
-        return cache[g]
-
-    patch = OracleRoot(near, len(PROMPT))
+    patch = OracleRoot(near_target_law(target), len(PROMPT))
     yield target, ds
     patch.uninstall()
 

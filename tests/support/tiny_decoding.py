@@ -132,3 +132,21 @@ class OracleRoot:
     def uninstall(self):
         for owner, name, fn in self.saved:
             setattr(owner, name, fn)
+
+
+def near_target_law(target: FeatureTarget, ids: list[int] | None = None, prompt=PROMPT):
+    """For `OracleRoot`: draft logits near the target's after every prefix g of generated tokens (its
+    logits at the draft vocabulary `ids`, None = all, plus fixed noise of their spread), so that blocks are
+    often accepted in part."""
+    cache = {}
+
+    def near(g, row):
+        if g not in cache:
+            with torch.no_grad():
+                lg = target.model(torch.tensor([prompt + list(g)])).logits[0, -1].float()
+            lg = lg if ids is None else lg[ids]
+            noise = torch.randn(lg.shape, generator=torch.Generator().manual_seed(len(g) * 1000 + sum(g)))
+            cache[g] = lg + noise * lg.std()
+        return cache[g]
+
+    return near
