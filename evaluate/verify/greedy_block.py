@@ -135,10 +135,13 @@ class Coupling:
         qx = [1.0] + [rows.q(y[:-1], y[-1]) for y in ys[1:]]  # the row's last token under its parent row
         px = [1.0] + [rows.p(y[:-1], y[-1]) for y in ys[1:]]
         draft = [self.draft_joint(y) for y in ys]
-        stacked = [r for r, y in enumerate(ys) if len(y) < horizon]  # rows that may take a new mass
+        # the rows that may take a new mass: inside the horizon, not known from an earlier call
+        last = len(self.stages)
+        stacked = [r for r, y in enumerate(ys) if len(y) < horizon and (last, y) not in self._law]
         slot = {r: i for i, r in enumerate(stacked)}
-        q = torch.stack([working(rows.target_at(ys[r])) for r in stacked])
-        p = torch.stack([rows.draft_at(ys[r]) for r in stacked]).to(q.dtype)
+        if stacked:
+            q = torch.stack([working(rows.target_at(ys[r])) for r in stacked])
+            p = torch.stack([rows.draft_at(ys[r]) for r in stacked]).to(q.dtype)
         law = [RowLaw()] * n  # after stage j (j = 0: the plain target), with lam, token and S(lam)
         lam, token, mass = [0.0] * n, [None] * n, [1.0] * n
         for j in range(len(self.stages) + 1):
