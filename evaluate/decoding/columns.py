@@ -71,15 +71,18 @@ class ColumnRoot:
 
     def __init__(self, root: Root, columns: DraftColumns):
         self.root, self.columns = root, columns
-        self._zero: Tensor | None = None
+        self._laws: dict[Prefix, Tensor] = {}  # the coupling asks for the same rows many times
 
     def law(self, y: Prefix) -> Tensor:
-        ids = self.columns.ids_of(y)
-        if ids is not None:
-            return self.root.law(ids)
-        if self._zero is None:
-            self._zero = torch.zeros(self.columns.other + 1, device=self.columns.d2t.device)
-        return self._zero
+        law = self._laws.get(y)
+        if law is None:
+            ids = self.columns.ids_of(y)
+            if ids is not None:
+                law = self.root.law(ids)
+            else:
+                law = torch.zeros(self.columns.other + 1, device=self.columns.d2t.device)
+            self._laws[y] = law
+        return law
 
     def prefetch(self, ys: list[Prefix]) -> None:
         ids = [self.columns.ids_of(y) for y in ys]
