@@ -38,9 +38,6 @@ class DraftColumns:
         self.rest = rest
         self._rest_weight = rest.float()  # q(rest) as one matrix-vector product over the [N, V] rows
 
-    def col(self, token: int) -> int:
-        return self._col.get(token, self.other)
-
     def cols(self, tokens) -> Prefix:
         """Target ids -> columns (a rest id -> `other`)."""
         get, other = self._col.get, self.other

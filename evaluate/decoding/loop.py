@@ -137,9 +137,9 @@ class Generation:
 
 class Draft(NamedTuple):
     """One iteration's draft. tree: what the target verifies. For chain, iid and lookup also tokens [K, L]
-    (target ids), their draft laws probs [K, L, V] float32 (a drafter's: [K, L, Vd+1], columns.py) (None where nothing reads them: temperature 0,
-    lookup at temperature 0) and nodes[k][i] = the tree node of draft k's first i tokens; a dynamic tree
-    has none of the three."""
+    (target ids), their draft laws probs [K, L, V] float32 (a drafter's over the columns, [K, L, Vd + 1]:
+    columns.py; None where nothing reads them: temperature 0, lookup at temperature 0) and nodes[k][i] =
+    the tree node of draft k's first i tokens; a dynamic tree has none of the three."""
 
     tree: DraftTree
     tokens: Tensor | None = None
@@ -401,7 +401,9 @@ class SpeculativeDecoder:
         if self.auto is not None:  # the load factor of the auto budget's forward curve
             self.auto.observe_forward(len(tree.tokens), target_seconds)
         t0, drafted_before = time.perf_counter(), self.drafter.cost.seconds
-        verified = self._verify(draft, logits, base, book, gen)
+        cols = self.columns  # where set, the law book's prefixes are columns (columns.py)
+        key = base if cols is None else cols.cols(base)
+        verified = self._verify(draft, logits, key, book, gen)
         # drafter calls made for a continuation's draft laws count as drafting, not verification
         verify_seconds = time.perf_counter() - t0 - (self.drafter.cost.seconds - drafted_before)
         path = verified.path
@@ -411,10 +413,9 @@ class SpeculativeDecoder:
         emitted = [tree.tokens[n] for n in path] + [verified.next_token]
         self.target.keep(committed, [0, *path])
         if self.cross:
-            cols, after = self.columns, base + tuple(emitted)
-            if cols is not None:  # the book's prefixes are columns (columns.py)
-                base, after, root = cols.cols(base), cols.cols(after), ColumnRoot(root, cols)
-            book.carry(base, self.cfg.draft_length, verified.continuation, root, after)
+            after = key + (tuple(emitted) if cols is None else cols.cols(emitted))
+            root = root if cols is None else ColumnRoot(root, cols)
+            book.carry(key, self.cfg.draft_length, verified.continuation, root, after)
         else:
             book.plain.clear()
         # the verified positions: the root and the accepted nodes, each with the token after it
@@ -440,7 +441,8 @@ class SpeculativeDecoder:
 
     def _verify(self, draft: Draft, logits: Tensor, base: Prefix, book: LawBook, gen: Sampler) -> Verified:
         """The verifier's answer on the target's logits [N, V] at every node of the draft tree; `base`: the
-        tokens generated before this iteration's root."""
+        law book's key of the tokens generated before this iteration's root (columns where `self.columns`
+        is set, columns.py)."""
         if self.greedy:  # every scheme: follow the target's argmax (no [V] law is formed)
             return Verified(*greedy_path(draft.tree, logits))
         laws = next_token_law(logits, self.cfg.temperature, self.cfg.top_p)  # [N, V] float32 per node
@@ -450,7 +452,7 @@ class SpeculativeDecoder:
         cols, rows, tokens = self.columns, laws, draft.tokens
         paths = [draft.tree.path_tokens(n) for n in range(len(draft.tree))]
         if cols is not None:  # a drafter's draft: its vocabulary's columns and one for the rest (columns.py)
-            rows, base, paths = cols.target(laws), cols.cols(base), [cols.cols(y) for y in paths]
+            rows, paths = cols.target(laws), [cols.cols(y) for y in paths]
             tokens = torch.tensor([cols.cols(x) for x in tokens.tolist()], dtype=torch.int64)
         book.add_rows(base, paths, rows)
         L = tokens.shape[1]

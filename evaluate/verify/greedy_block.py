@@ -232,11 +232,11 @@ class RGBVContinuation:
         return len(prefix) < self.horizon and committed_reach(self.stages, prefix) >= len(prefix)
 
     def prepare(self, prefixes: list[tuple[int, ...]], target_probs_at: LawAt, draft_probs_at: LawAt) -> None:
-        """Before the laws after `prefixes` (closed under taking prefixes) are asked with these lookups: their
-        residual masses, one batched pass per stage (`Coupling.prepare`)."""
-        ys = [tuple(y) for y in prefixes if self.reads_draft(tuple(y))]
-        if ys:
-            self._coupling(target_probs_at, draft_probs_at).prepare(ys)
+        """Before the laws after `prefixes` are asked with these lookups: their rows, one batched residual
+        mass pass per stage (`Coupling.prepare`). `prefixes`: ones that `reads_draft` (the caller filters
+        them: Level.prefetch), closed under taking prefixes."""
+        if prefixes:
+            self._coupling(target_probs_at, draft_probs_at).prepare([tuple(y) for y in prefixes])
 
     def __call__(
         self,
