@@ -48,10 +48,6 @@ def setup():  # function scope: its patch of the drafting code must not outlive 
     patch.uninstall()
 
 
-def law_of(target, drafter, cfg: DecodeConfig) -> dict:
-    return loop_law(target, drafter, cfg)
-
-
 @pytest.mark.parametrize(
     "drafter,mode,verifier,k,length",
     [
@@ -67,9 +63,10 @@ def test_generations_keep_the_target_law_with_a_smaller_draft_vocabulary(
 ):
     target, ref = setup
     cfg = DecodeConfig(mode, verifier, k, length, 1.0, 0.5, max_new_tokens=HORIZON)
-    dec = SpeculativeDecoder(target, small_vocab_drafter(target, drafter), cfg)
+    module = small_vocab_drafter(target, drafter)
+    dec = SpeculativeDecoder(target, module, cfg)
     assert dec.columns is not None and dec.columns.other == len(D2T)
-    assert max_error(law_of(target, small_vocab_drafter(target, drafter), cfg), ref) < 1e-6
+    assert max_error(loop_law(target, module, cfg), ref) < 1e-6
 
 
 def test_a_wrong_draw_in_the_rest_column_is_caught(setup, monkeypatch):
@@ -83,7 +80,7 @@ def test_a_wrong_draw_in_the_rest_column_is_caught(setup, monkeypatch):
 
     monkeypatch.setattr(columns_mod.DraftColumns, "token", uniform)
     cfg = DecodeConfig("chain", "token", 1, 2, 1.0, 0.5, max_new_tokens=HORIZON)
-    assert max_error(law_of(target, small_vocab_drafter(target, "eagle3"), cfg), ref) > 1e-3
+    assert max_error(loop_law(target, small_vocab_drafter(target, "eagle3"), cfg), ref) > 1e-3
 
 
 def test_columns_keep_the_mass_and_map_tokens():
