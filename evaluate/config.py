@@ -10,7 +10,7 @@ from hydra.core.config_store import ConfigStore
 from specblock.data.errors import ON_BAD_ROW
 from specblock.data.evalsets import EVAL_SETS
 from specblock.data.question_sets import CustomSetConfig
-from specblock.data.target import TargetConfig
+from specblock.data.target import DTYPES, TargetConfig
 from specblock.train.export import export_config
 
 from .adapt import AdaptConfig
@@ -18,6 +18,7 @@ from .decoding.drafters import default_trees
 from .decoding.lookup import LookupConfig
 from .decoding.loop import DRAFTERLESS, MODES
 from .decoding.trees import AUTO, TreeConfig
+from .reporting.metrics import AUTOREGRESSIVE
 from .verify import CROSS_ITERATION, VERIFIERS
 
 
@@ -94,6 +95,11 @@ class EvalConfig:
     trees: dict[str, TreeConfig] = field(default_factory=default_trees)
     lookup: LookupConfig = field(default_factory=LookupConfig)  # prompt lookup's n-gram range
     adapt: AdaptConfig = field(default_factory=AdaptConfig)  # serving-time adaptation (off by default)
+    # autoregressive decoding also runs in these precisions where target.dtype differs, labelled
+    # "autoregressive@<dtype>", so that speedups count against the fastest plain decoding of the target
+    # (issue 12): on a CPU a one-token bf16 step can be slower than a float32 one. "auto": float32 on a CPU,
+    # none on a GPU (where bf16 decodes fastest and a float32 copy of the target would cost its memory twice)
+    baseline_dtypes: Any = AUTO
     seed: int = 0
     logger: str = "none"  # none | wandb
     project: str = "specblock"
@@ -128,6 +134,12 @@ class EvalConfig:
                 f"draft_length=auto chooses a chain's length per iteration; {fixed} need a fixed draft_length "
                 "(iid drafts, or a verifier whose continuation spans L tokens)"
             )
+        if self.baseline_dtypes == AUTO:
+            self.baseline_dtypes = [] if self.target.device.startswith("cuda") else ["float32"]
+        self.baseline_dtypes = list(self.baseline_dtypes)
+        bad = [d for d in self.baseline_dtypes if d not in DTYPES]
+        if bad:
+            raise ValueError(f"baseline_dtypes {bad} are not among {sorted(DTYPES)} (or {AUTO!r})")
         if self.drafter_methods and not self.drafters:
             raise ValueError("speculative methods need at least one drafter (drafters: {name: folder})")
         for name, folder in self.drafters.items():  # e.g. two EAGLE-3 drafters side by side
@@ -137,6 +149,13 @@ class EvalConfig:
         missing = [name for name in self.drafters if name not in self.trees]
         if missing and {"tree", "tree+lookup"} & set(self.methods):
             raise ValueError(f"drafters {missing} have no tree shape under trees")
+
+    @property
+    def baselines(self) -> list[str]:
+        """The precisions plain decoding runs in beside target.dtype (none without autoregressive)."""
+        if AUTOREGRESSIVE not in self.methods:
+            return []
+        return [d for d in dict.fromkeys(self.baseline_dtypes) if d != self.target.dtype]
 
     @property
     def drafter_methods(self) -> list[str]:

@@ -27,14 +27,14 @@ from tqdm.auto import tqdm
 
 from specblock.data.evalsets import EvalPrompt, EvalSet, EvalSetConfig, load_eval_set, turn_ids
 from specblock.data.io import atomic_path
-from specblock.data.target import FeatureTarget, ensure_embedded_target, eos_ids, load_target
+from specblock.data.target import DTYPES, FeatureTarget, ensure_embedded_target, eos_ids, load_target
 from specblock.train.export import load_drafter
 
 from .adapt import Adapter
 from .config import EvalConfig, parse_method
 from .decoding.loop import DRAFTERLESS, DecodeConfig, Generation, SpeculativeDecoder
 from .decoding.trees import AUTO, TreeConfig
-from .reporting.metrics import AUTOREGRESSIVE, Accumulator
+from .reporting.metrics import AUTOREGRESSIVE, BASELINE_SEP, Accumulator, is_autoregressive
 from .reporting.report import (
     category_report,
     cost_table,
@@ -185,8 +185,10 @@ def build(cfg: EvalConfig) -> Setup:
 
 
 def decoders(cfg: EvalConfig, model, eos: list[int]) -> list[tuple[str, SpeculativeDecoder]]:
-    """(label, decoder): autoregressive first (the reference), then lookup, then every method of every
-    drafter ("<drafter>:<method>", "+adapt" when it adapts while it serves)."""
+    """(label, decoder): autoregressive first (the reference), then autoregressive in every precision of
+    `cfg.baselines` ("autoregressive@float32", on a copy of the target: the fastest of them is the speedups'
+    denominator), then lookup, then every method of every drafter ("<drafter>:<method>", "+adapt" when it
+    adapts while it serves)."""
     drafters = load_drafters(cfg, model) if cfg.drafter_methods else {}
     plain = FeatureTarget(model, cfg.target.feature_layers)
     runs = [
@@ -194,6 +196,10 @@ def decoders(cfg: EvalConfig, model, eos: list[int]) -> list[tuple[str, Speculat
         for m in DRAFTERLESS
         if m in cfg.methods
     ]
+    for i, dtype in enumerate(cfg.baselines, 1):  # plain decoding in other precisions, after autoregressive
+        copy_in = FeatureTarget(copy.deepcopy(model).to(DTYPES[dtype]), cfg.target.feature_layers)
+        dec = SpeculativeDecoder(copy_in, None, decode_config(cfg, AUTOREGRESSIVE, None), eos)
+        runs.insert(i, (f"{AUTOREGRESSIVE}{BASELINE_SEP}{dtype}", dec))
     for name, (module, meta) in drafters.items():
         target = FeatureTarget(model, meta["feature_layers"])  # the layers this drafter was trained on
         for method in cfg.drafter_methods:
@@ -242,7 +248,7 @@ def write(
         report += "\nSkipped evaluation sets (not available here): " + ", ".join(unavailable) + "\n"
     with atomic_path(out_dir / "results.md") as tmp:
         tmp.write_text(report)
-    plot_acceptance_at([r for r in rows if r["method"] != AUTOREGRESSIVE], out_dir / "acceptance_at.png")
+    plot_acceptance_at([r for r in rows if not is_autoregressive(r["method"])], out_dir / "acceptance_at.png")
     if resolved is not None:  # written last: `specblock run` reads its presence as "this stage is done"
         with atomic_path(out_dir / "config.json") as tmp:
             tmp.write_text(json.dumps(resolved, indent=2, sort_keys=True, default=str))
@@ -313,6 +319,8 @@ def generate(setup: Setup, cfg: EvalConfig) -> Decoded:
                 tokens = [g.tokens for g in gens]
                 if label == AUTOREGRESSIVE:
                     reference = tokens
+                elif is_autoregressive(label):  # another precision: a timing reference, not a method
+                    pass
                 elif cfg.temperature == 0 and reference is not None and tokens != reference:
                     mismatches[label] = mismatches.get(label, 0) + 1
                     gaps.setdefault(label, []).append(

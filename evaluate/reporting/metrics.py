@@ -14,8 +14,15 @@ from typing import Any, Iterable
 
 from specblock.train.ratios import add_padded, ratio  # the one implementation (training's too)
 
-AUTOREGRESSIVE = "autoregressive"  # the method name whose tokens/s is the speedup's denominator
+AUTOREGRESSIVE = "autoregressive"  # plain decoding in the evaluation's precision (the greedy reference)
+# Plain decoding in another precision, run beside it: "autoregressive@float32" (EvalConfig.baseline_dtypes).
+BASELINE_SEP = "@"
 OVERALL = "overall"  # the dataset name of a method's all-datasets row
+
+
+def is_autoregressive(method: str) -> bool:
+    """Plain decoding, in the evaluation's precision or another one (a speedup's candidate denominator)."""
+    return method == AUTOREGRESSIVE or method.startswith(AUTOREGRESSIVE + BASELINE_SEP)
 
 
 @dataclass
@@ -222,9 +229,21 @@ class Accumulator:
         parts = [c for (_, m), c in self.counts.items() if m == method]
         return sum(parts, Counts()) if parts else None
 
-    def speedup(self, dataset: str, method: str) -> float | None:
-        """tokens/s of `method` / tokens/s of AUTOREGRESSIVE on the same dataset (or both overall)."""
-        c, ref = self.get(dataset, method), self.get(dataset, AUTOREGRESSIVE)
+    def reference(self) -> str:
+        """The speedups' denominator: of the autoregressive runs (one per precision), the one with the most
+        tokens/s overall, so that a speedup counts against the fastest plain decoding of the target.
+        AUTOREGRESSIVE when no run has timings."""
+        best, name = None, AUTOREGRESSIVE
+        for m in self.methods():
+            tps = tokens_per_second(self.get(OVERALL, m)) if is_autoregressive(m) else None
+            if tps is not None and (best is None or tps > best):
+                best, name = tps, m
+        return name
+
+    def speedup(self, dataset: str, method: str, reference: str | None = None) -> float | None:
+        """tokens/s of `method` / tokens/s of `reference` (default: `self.reference()`, the fastest plain
+        decoding) on the same dataset (or both overall)."""
+        c, ref = self.get(dataset, method), self.get(dataset, reference or self.reference())
         if c is None or ref is None:
             return None
         num, den = tokens_per_second(c), tokens_per_second(ref)

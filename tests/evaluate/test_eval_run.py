@@ -4,6 +4,7 @@ main job's skip logic."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -264,7 +265,29 @@ def test_greedy_mismatches_are_counted_per_method_and_explained(tmp_path, monkey
     cfg.target = TargetConfig(name_or_path=TINY_TARGET_DIR, dtype="bfloat16")
     rows = evaluate(cfg)
     assert {r["dtype"] for r in rows} == {"bfloat16"}
-    assert {r["method"] for r in rows} == {"autoregressive", "lookup"}
+    # on a CPU plain decoding also runs in float32, and the faster of the two is the speedups' reference
+    assert {r["method"] for r in rows} == {"autoregressive", "autoregressive@float32", "lookup"}
+    overall = {r["method"]: r for r in rows if r["dataset"] == "overall"}
+    assert overall["autoregressive@float32"]["greedy_mismatches"] == 0  # a timing reference, not compared
+    assert (
+        overall["autoregressive@float32"]["counts"]["tokens"] == overall["autoregressive"]["counts"]["tokens"]
+    )
+    ref = overall["lookup"]["metrics"]["speedup_reference"]
+    assert ref in ("autoregressive", "autoregressive@float32")
+    assert overall[ref]["metrics"]["speedup"] == pytest.approx(1.0)
+    fast = max(
+        ("autoregressive", "autoregressive@float32"), key=lambda m: overall[m]["metrics"]["tokens_per_second"]
+    )
+    assert ref == fast
+    assert overall["lookup"]["metrics"]["speedup_same_dtype"] == pytest.approx(
+        overall["lookup"]["metrics"]["tokens_per_second"]
+        / overall["autoregressive"]["metrics"]["tokens_per_second"]
+    )
+    assert f"fastest autoregressive decoding ({ref}" in (tmp_path / "bf16" / "results.md").read_text()
+    cfg.baseline_dtypes = []  # the old behaviour: plain decoding in the evaluation's precision only
+    assert cfg.baselines == []
+    with pytest.raises(ValueError, match="baseline_dtypes"):
+        replace(cfg, baseline_dtypes=["float64"])
 
 
 def test_auto_dtype_picks_bf16_only_where_the_device_has_native_kernels(tmp_path):

@@ -10,6 +10,7 @@ from specblock.evaluate.reporting.metrics import (
     acceptance_at,
     block_efficiency,
     derived,
+    is_autoregressive,
     tau,
 )
 
@@ -63,6 +64,21 @@ def test_autoregressive_and_speedup():
     assert acc.speedup("a", "chain") == 2.0  # 4 tok/s over 2 tok/s
     assert acc.speedup("b", "chain") is None  # no autoregressive reference on b
     assert acc.speedup(OVERALL, "chain") == pytest.approx((8 / 3) / 2)  # 8 tokens / 3 s over 2 tok/s
+
+
+def test_speedup_counts_against_the_fastest_plain_decoding():
+    """With plain decoding in two precisions, the faster one overall is every speedup's denominator
+    (on a CPU a one-token bf16 step can lose to float32); the same-precision ratio stays available."""
+    acc = built()  # autoregressive (the evaluation's precision) on a: 4 tokens in 2 s
+    assert acc.reference() == AUTOREGRESSIVE
+    acc.add_generation("a", "autoregressive@float32", tokens=4, seconds=1.6, target_calls=4)
+    assert is_autoregressive("autoregressive@float32") and not is_autoregressive("lookup")
+    assert acc.reference() == "autoregressive@float32"  # 2.5 tok/s beats 2
+    assert acc.speedup("a", "chain") == pytest.approx(4.0 / 2.5)
+    assert acc.speedup("a", "chain", AUTOREGRESSIVE) == 2.0
+    assert acc.speedup("a", AUTOREGRESSIVE) == pytest.approx(0.8)  # the plain run itself is below 1x
+    acc.add_generation("a", "autoregressive@float32", tokens=4, seconds=4.4, target_calls=4)
+    assert acc.reference() == AUTOREGRESSIVE  # now 8 tokens / 6 s: the slower one, not the reference
 
 
 def test_overall_is_sum_over_sum_not_mean_of_means():
