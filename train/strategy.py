@@ -63,7 +63,7 @@ class DrafterStrategy(Protocol):
 
     `module` is the trainable drafter: the only module the optimizer sees. `teacher` is the frozen
     target (or None): the trainer prepares it for inference only (`eval()`, no gradients, never in
-    the optimizer; see `trainer.prepare_teacher`). Before the loop the trainer REPLACES both
+    the optimizer; see `accel.prepare_teacher`). Before the loop the trainer REPLACES both
     attributes with their prepared wrappers (DDP / DeepSpeed engine), so `forward_loss` must call
     `self.module(...)` and `self.teacher(...)` and must not unwrap them; after `fit` returns,
     `module` is the unwrapped drafter again. Frozen pieces the drafter shares with the target

@@ -21,8 +21,6 @@ with counts that may depend on the forward.)
 from __future__ import annotations
 
 import math
-import os
-import resource
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -31,12 +29,18 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, GradientAccumulationPlugin, InitProcessGroupKwargs, set_seed
+from accelerate.utils import set_seed
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
-from specblock.data.target import auto_dtype
-
+from .accel import (
+    MIXED_PRECISION,
+    build_accelerator,
+    cast_floats,
+    input_dtype,
+    prepare_teacher,
+    sync_deepspeed_config,
+)
 from .checkpoint import (
     EpochSampler,
     TrainProgress,
@@ -46,21 +50,12 @@ from .checkpoint import (
     resolve_resume,
     save_checkpoint,
 )
-from .ratios import Sums, ratios
+from .metric_window import TOKENS, MetricWindow, peak_memory_gib
 from .optim import OptimConfig, build_optimizer, build_scheduler
-from .strategy import COUNT_SUFFIX, SCALAR_PREFIX, SUM_SUFFIX, DrafterStrategy, StepOutput
-from .tracking import TRACKERS, NullTracker, accelerate_log_with, headline, log0, make_tracker
+from .ratios import Sums
+from .strategy import DrafterStrategy
+from .tracking import TRACKERS, NullTracker, headline, log0, make_tracker
 from .validation import Validator, write_best
-
-MIXED_PRECISION = ("no", "bf16", "fp16", "auto")
-LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
-KIB_PER_GIB = 1024**2  # ru_maxrss is in KiB on Linux
-BYTES_PER_GIB = 1024**3
-# Names the trainer logs itself (as train/<name>); strategy metrics may not reuse them.
-TOKENS = "tokens"  # the step's sequence tokens, reduced with the loss counts (a name no count uses)
-# The window's step losses, added (every rank adds its micro-batches' shares of each step's loss).
-LOSS_SUM = "loss" + SUM_SUFFIX
-RESERVED_METRICS = {"loss", "lr", "grad_norm", "epoch", "tokens_per_s", "tokens_seen", "peak_mem_gib"}
 
 
 @dataclass
@@ -119,151 +114,6 @@ class TrainerConfig:
                 f"keep_every={self.keep_every} must be a multiple of save_every={self.save_every} "
                 "(milestones are kept from the checkpoints saved every save_every steps)"
             )
-
-
-def resolve_mixed_precision(mode: str) -> str:
-    """ "auto": bf16 where the device has bf16 matrix units (a CUDA GPU that supports it, or a CPU with
-    AMX or AVX512-BF16, where bf16 autocast runs the drafter step 1.4-2x faster), else fp32."""
-    if mode != "auto":
-        return mode
-    if torch.cuda.is_available():
-        return "bf16" if torch.cuda.is_bf16_supported() else "no"
-    return "bf16" if auto_dtype("cpu") == "bfloat16" else "no"
-
-
-def build_accelerator(cfg: TrainerConfig) -> Accelerator:
-    # Launched on CPU: without gloo, DeepSpeed picks a backend that breaks its batch-size check.
-    # (A plain single process must not get it: accelerate would then look for a process group.)
-    launched_on_cpu = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
-    handlers = [InitProcessGroupKwargs(backend="gloo")] if launched_on_cpu else []
-    return Accelerator(
-        mixed_precision=resolve_mixed_precision(cfg.mixed_precision),
-        # Each optimizer step draws exactly grad_accum micro-batches, across epoch ends.
-        gradient_accumulation_plugin=GradientAccumulationPlugin(
-            num_steps=cfg.grad_accum, sync_with_dataloader=False
-        ),
-        step_scheduler_with_optimizer=False,  # one scheduler step per update, not one per rank
-        rng_types=[],  # data order comes from EpochSampler; see module docstring
-        log_with=accelerate_log_with(cfg.logger),
-        kwargs_handlers=handlers,
-    )
-
-
-def sync_deepspeed_config(accelerator: Accelerator, cfg: TrainerConfig) -> None:
-    """Make the DeepSpeed config agree with the trainer: fill "auto"/absent keys, refuse conflicts."""
-    if accelerator.distributed_type != DistributedType.DEEPSPEED:
-        return
-    ds = accelerator.state.deepspeed_plugin.deepspeed_config
-    wanted = {
-        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
-        "gradient_accumulation_steps": cfg.grad_accum,
-        "gradient_clipping": cfg.optim.grad_clip,
-    }
-    for key, value in wanted.items():
-        if ds.get(key, "auto") not in ("auto", value):
-            raise ValueError(f"DeepSpeed config has {key}={ds[key]} but the trainer config says {value}")
-        ds[key] = value
-
-
-def prepare_teacher(accelerator: Accelerator, teacher: torch.nn.Module | None) -> torch.nn.Module | None:
-    """Frozen target for inference only: no grads, eval(), never given to the optimizer (habit 9).
-
-    Outside DeepSpeed it is replicated on every rank's device. Under DeepSpeed it is wrapped like
-    TRL's `prepare_deepspeed`: ZeRO-3 shards it with the drafter's (resolved) config, other stages
-    use stage 0, so it gets the same bf16/fp16 dtype as the drafter. Call after `prepare()`.
-    """
-    if teacher is None:
-        return None
-    teacher.requires_grad_(False).eval()
-    if accelerator.distributed_type != DistributedType.DEEPSPEED:
-        return teacher.to(accelerator.device)
-    import deepspeed
-
-    ds = {k: v for k, v in accelerator.deepspeed_config.items() if k not in ("optimizer", "scheduler")}
-    zero = dict(ds["zero_optimization"])
-    ds["zero_optimization"] = zero if zero.get("stage") == 3 else {"stage": 0}
-    engine, *_ = deepspeed.initialize(model=teacher, config=ds)
-    engine.eval()
-    return engine
-
-
-def _input_dtype(accelerator: Accelerator) -> torch.dtype | None:
-    """DeepSpeed stores bf16/fp16 weights and has no autocast: float inputs must match them."""
-    if accelerator.distributed_type != DistributedType.DEEPSPEED:
-        return None
-    return LOW_PRECISION.get(accelerator.mixed_precision)
-
-
-def _cast_floats(batch: Any, dtype: torch.dtype | None) -> Any:
-    if dtype is None:
-        return batch
-    if isinstance(batch, torch.Tensor):
-        return batch.to(dtype) if batch.is_floating_point() else batch
-    if isinstance(batch, Mapping):
-        return {k: _cast_floats(v, dtype) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_cast_floats(v, dtype) for v in batch)
-    return batch
-
-
-def peak_memory_gib(device: torch.device) -> float:
-    """Peak memory of this process: CUDA allocator peak, or max RSS on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / BYTES_PER_GIB
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / KIB_PER_GIB
-
-
-class MetricWindow:
-    """What one logging window accumulates.
-
-    `sums` and `scalars` are per rank and get reduced over ranks before dividing (sum / mean);
-    `tokens` and `grad_norm_sum` are already global (every rank holds the same value).
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device  # sums stay on the device: no host sync per micro-batch
-        self.sums = Sums(device)
-        self.scalars: dict[str, torch.Tensor] = {}
-        self.steps, self.tokens, self.grad_norm_sum, self.lr = 0, 0.0, 0.0, math.nan
-        self.start = time.perf_counter()
-
-    def add(self, name: str, value: torch.Tensor | float) -> None:
-        self.sums.add(name, value)
-
-    def add_output(self, out: StepOutput, loss: torch.Tensor | None = None) -> None:
-        """A micro-batch's metrics and its share of the step's loss (None: validation, see there)."""
-        clash = {k.removeprefix(SCALAR_PREFIX).rsplit("/", 1)[0] for k in out.metrics} & RESERVED_METRICS
-        if clash:
-            raise ValueError(f"strategy metrics use names the trainer logs itself: {sorted(clash)}")
-        if loss is not None:
-            self.add(LOSS_SUM, loss)
-        for name, value in out.metrics.items():
-            if name.startswith(SCALAR_PREFIX):
-                self.scalars[name[len(SCALAR_PREFIX) :]] = value.detach()
-            else:
-                self.add(name, value)
-
-    def add_step(self, tokens: float, grad_norm: float, lr: float) -> None:
-        """Once per optimizer step; `lr` is the one this step used."""
-        self.steps, self.tokens, self.lr = self.steps + 1, self.tokens + tokens, lr
-        self.grad_norm_sum += grad_norm
-
-    def reduce(self, accelerator: Accelerator) -> dict[str, float]:
-        """`<name>` = global sum of `<name>/sum` / global sum of `<name>/count`; scalars: mean over ranks;
-        `loss`: the mean over the window's optimizer steps of each step's (effective batch's) loss.
-        Collective."""
-        totals = self.sums.reduce(accelerator)
-        out = ratios(totals, SUM_SUFFIX, COUNT_SUFFIX)
-        paired = {name + suffix for name in out for suffix in (SUM_SUFFIX, COUNT_SUFFIX)}
-        out.update({k: float(v) for k, v in totals.items() if k not in paired and k != LOSS_SUM})
-        if LOSS_SUM in totals:
-            out["loss"] = float(totals[LOSS_SUM]) / max(self.steps, 1)
-        scalars = Sums(self.device).update(self.scalars).reduce(accelerator, "mean")
-        out.update({k: float(v) for k, v in scalars.items()})
-        elapsed = max(time.perf_counter() - self.start, 1e-9)
-        grad_norm = self.grad_norm_sum / max(self.steps, 1)
-        out.update(tokens_per_s=self.tokens / elapsed, grad_norm=grad_norm, lr=self.lr)
-        return out
 
 
 @dataclass
@@ -337,7 +187,7 @@ def _prepare(
         total,
         batches_per_rank,
         config_hash(dict(run_config)),
-        _input_dtype(accelerator),
+        input_dtype(accelerator),
     )
 
 
@@ -357,7 +207,7 @@ def _draw(run: _Run) -> list[tuple[Any, int]]:
     """The micro-batches of one optimizer step, each with its epoch (the stream crosses epoch ends)."""
     drawn = []
     for _ in range(run.cfg.grad_accum):
-        batch = _cast_floats(next(run.stream), run.input_dtype)
+        batch = cast_floats(next(run.stream), run.input_dtype)
         drawn.append((batch, run.progress.epoch))
     return drawn
 
@@ -505,7 +355,7 @@ def fit(
     if eval_dataset is not None and cfg.eval_every > 0:
         validation = Validator(
             eval_dataset,
-            lambda rows: _cast_floats(collate_fn(rows), run.input_dtype),
+            lambda rows: cast_floats(collate_fn(rows), run.input_dtype),
             cfg.micro_batch_size,
             cfg.best_metric,
             cfg.best_mode,
