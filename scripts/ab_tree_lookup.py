@@ -31,14 +31,14 @@ def chain_after_budget(dec):
     then the lookup chain grafted on."""
 
     def tree_with_lookup(root, chain):
-        tree = dec._drafter_tree(root)
+        tree = dec.drafts.drafter_tree(root)
         tree = tree.pruned(dec.auto.choose(tree.score[1:])).tree
-        dec._scores = tree.score[1:]
+        dec.drafts.scores = tree.score[1:]
         dec.graft.drafter_nodes = set(range(1, len(tree)))
         dec.graft.lookup_nodes = graft_chain(tree, chain)
         return tree
 
-    dec._tree_with_lookup = tree_with_lookup
+    dec.drafts.tree_with_lookup = tree_with_lookup
     return no_gate(dec)
 
 

@@ -14,8 +14,8 @@ One iteration (batch 1, as speculative-decoding benchmarks measure):
    target cache keeps the committed part plus the root and the accepted nodes (prefix reuse);
 4. the drafter appends the newly verified positions in ONE forward, which also drafts the next root.
 
-Temperature and top-p shape the target law and the draft law identically (temperature.py). The target
-side is target.py, the drafter's drafting.py and drafters.py; the laws a cross-iteration verifier's
+Temperature and top-p shape the target law and the draft law identically (temperature.py). Step 1 is
+drafts.py; the target side is target.py, the drafter's drafting.py and drafters.py; the laws a cross-iteration verifier's
 continuation puts in force are continuations.py's. Timings (IterationStats, Generation) split each
 iteration's wall time into drafting, the target forward, verification and the rest (the overhead); the
 prefill phase (prompt forward, first token, the drafter's first advance) is kept apart.
@@ -23,7 +23,6 @@ prefill phase (prompt forward, first token, the drafter's first advance) is kept
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -36,11 +35,12 @@ from specblock.evaluate.decoding.budget import FORWARD_GRID, AutoBudget, measure
 from specblock.evaluate.decoding.columns import ColumnRoot, DraftColumns
 from specblock.evaluate.decoding.continuations import LawBook
 from specblock.evaluate.decoding.drafters import make_session
-from specblock.evaluate.decoding.drafting import Prefix, Root, greedy_draft, sample_drafts
+from specblock.evaluate.decoding.drafting import Prefix, Root
+from specblock.evaluate.decoding.drafts import Draft, Drafts
 from specblock.evaluate.decoding.graft import LookupGraft
 from specblock.evaluate.decoding.lookup import LookupConfig, LookupSession
 from specblock.evaluate.decoding.target import TargetSession
-from specblock.evaluate.decoding.trees import AUTO, DraftTree, TreeConfig, drafts_tree, graft_chain
+from specblock.evaluate.decoding.trees import AUTO, DraftTree, TreeConfig
 from specblock.evaluate.decoding.temperature import GREEDY, next_token_law
 from specblock.evaluate.verify import CROSS_ITERATION, SINGLE_DRAFT, VERIFIERS, TokenTree, get_verifier
 from specblock.evaluate.verify import greedy_path, verify_tree
@@ -135,18 +135,6 @@ class Generation:
     prefill_target_seconds: float = 0.0
 
 
-class Draft(NamedTuple):
-    """One iteration's draft. tree: what the target verifies. For chain, iid and lookup also tokens [K, L]
-    (target ids), their draft laws probs [K, L, V] float32 (a drafter's over the columns, [K, L, Vd + 1]:
-    columns.py; None where nothing reads them: temperature 0, lookup at temperature 0) and nodes[k][i] =
-    the tree node of draft k's first i tokens; a dynamic tree has none of the three."""
-
-    tree: DraftTree
-    tokens: Tensor | None = None
-    probs: Tensor | None = None
-    nodes: list[list[int]] | None = None
-
-
 class Verified(NamedTuple):
     """The verifier's answer: accepted tree nodes (root excluded, in order), the token after them, and
     the continuation it puts in force (None: the next iteration verifies against the plain target)."""
@@ -201,8 +189,7 @@ class SpeculativeDecoder:
         auto_tree = cfg.mode in TREE_MODES and cfg.tree.budget == AUTO
         self.auto = AutoBudget() if auto_tree or cfg.auto_length else None
         self.calibration_seconds = 0.0  # the auto budget's one-time forward-curve measurement
-        self._scores: list[float] = []  # the kept draft's cumulative log-probs, for the auto calibration
-        self._variable_seconds = 0.0  # an auto chain's drafting seconds (budget.py models them per token)
+        self.drafts = Drafts(cfg, self.drafter, self.graft, self.auto, self.greedy, target.vocab_size)
         self.adapter = adapter  # evaluate/adapt/: fed the verified positions, told when a request ends
 
     def _sample(self, logits: Tensor, gen: Sampler) -> int:
@@ -271,8 +258,8 @@ class SpeculativeDecoder:
             if self.graft is not None and self.auto is not None:  # the loop's own cost, for the gate
                 self.auto.observe_other(stats.seconds - stats.target_seconds - stats.drafter_seconds)
             if self.auto is not None:  # calibrated on the drafter's own nodes (a lookup branch's are not)
-                fixed = stats.seconds - stats.target_seconds - self._variable_seconds
-                self.auto.observe(self._scores, min(stats.accepted, self._drafter_accepted), fixed)
+                fixed = stats.seconds - stats.target_seconds - self.drafts.variable_seconds
+                self.auto.observe(self.drafts.scores, min(stats.accepted, self._drafter_accepted), fixed)
         result = Generation(
             out, iterations, self.target.calls, 1, time.perf_counter() - start, prefill_seconds,
             self.target.seconds - prefill_target, prefill_draft.calls, prefill_draft.seconds, prefill_target,
@@ -281,119 +268,10 @@ class SpeculativeDecoder:
             self.adapter.observe_request(len(out), result.target_calls, result.seconds)
         return result
 
-    def _draft(self, root: Root | None, gen: Sampler, context: list[int]) -> Draft:
-        """This iteration's draft from `root`; context: the prompt and the tokens generated so far."""
-        cfg = self.cfg
-        if cfg.mode == "tree+lookup":
-            chain = self.graft.chain(context)
-            alone = None if self.auto is None else self.auto.lookup_alone(len(chain), self.graft.ngram)
-            if alone is not None:  # the chain alone (cut to its best length) is expected to emit faster
-                self._scores = []
-                return Draft(self.graft.chain_alone(chain[:alone]))
-            return Draft(self._tree_with_lookup(self.graft.catch_up(self.drafter), chain))
-        if cfg.mode == "tree":
-            tree = self._drafter_tree(root)
-            if self.auto is not None:
-                tree = tree.pruned(self.auto.choose(tree.score[1:])).tree
-                self._scores = tree.score[1:]
-            return Draft(tree)
-        if cfg.mode == "lookup":
-            draft = self.drafter.draft(context)
-            tokens = torch.tensor([draft], dtype=torch.int64).view(1, len(draft))  # [1, L'], L' <= L, maybe 0
-            # the point-mass draft law: one-hot rows [1, L', V] (verify/chain.py: accept w.p. q(x))
-            probs = None if self.greedy else point_mass(tokens, self.target.target.vocab_size)
-            return chain_draft(tokens, probs)
-        if cfg.auto_length:
-            return self._auto_chain(root, gen)
-        k = cfg.num_drafts
-        if self.greedy:  # identical argmax drafts: the chain once, copied; greedy_path reads no draft law
-            tokens, probs = greedy_draft(root, cfg.draft_length).expand(k, -1), None
-        else:
-            tokens, probs = sample_drafts(root, k, cfg.draft_length, gen)
-        return chain_draft(tokens, probs)
-
-    def _drafter_tree(self, root: Root, extra: list[float] = ()) -> DraftTree:
-        """The drafter's dynamic tree at `root`, not yet cut to a budget. With budget=auto each further round
-        is drafted only if it can pay (budget.py), counting nodes of scores `extra` as already in the tree."""
-        cfg = self.cfg
-        if self.auto is None:
-            return root.session.tree(root, cfg.tree)
-        calls, seconds = self.drafter.cost.calls, self.drafter.cost.seconds
-        auto = self.auto
-        more = (
-            (lambda scores, frontier: auto.more_rounds(scores + extra, frontier))
-            if extra
-            else auto.more_rounds
-        )
-        tree = root.session.tree(root, cfg.tree, more)
-        self._variable_seconds = self.drafter.cost.seconds - seconds  # modelled per round
-        self.auto.observe_rounds(self.drafter.cost.calls - calls, self._variable_seconds)
-        return tree
-
-    def _tree_with_lookup(self, root: Root, chain: list[int]) -> DraftTree:
-        """tree+lookup: the drafter's tree with the lookup chain grafted under the root. With a fixed budget
-        the chain is added to the drafter's pruned tree. With budget=auto its tokens compete with the
-        drafter's nodes for the budget: the i-th has the measured rate at which lookup tokens at depth i
-        were accepted as its confidence (`AutoBudget.lookup_confidences`), it counts when the drafter's
-        rounds are weighed, and the union is cut to the best B nodes; the drafter's calibration c sees only
-        the drafter's own nodes (their own scores, even where the chain shares them)."""
-        graft = self.graft
-        if self.auto is None:
-            tree = self._drafter_tree(root)
-            graft.drafter_nodes = set(range(1, len(tree)))
-            graft.lookup_nodes = graft_chain(tree, chain)
-            return tree
-        c = self.auto.c  # choose_budget weighs every confidence by c: the chain's are divided by it first
-        extra = [math.log(a / c) for a in self.auto.lookup_confidences(len(chain), graft.ngram)]
-        tree = self._drafter_tree(root, extra)
-        drafted, own = len(tree), list(tree.score)
-        chain_nodes = graft_chain(tree, chain, extra)
-        kept = tree.pruned(self.auto.choose(tree.score[1:]))
-        new_of = {o: n for n, o in enumerate(kept.old)}
-        graft.drafter_nodes = {new_of[o] for o in kept.old[1:] if o < drafted}
-        self._scores = [own[o] for o in kept.old[1:] if o < drafted]
-        graft.lookup_nodes = []
-        for o in chain_nodes:  # the kept part of the chain (a prefix: its scores never increase)
-            if o not in new_of:
-                break
-            graft.lookup_nodes.append(new_of[o])
-        return kept.tree
-
-    def _auto_chain(self, root: Root, gen: Sampler) -> Draft:
-        """draft_length=auto (budget.py): draft token by token while one more could raise the modelled
-        rate. At temperature 0 the chain is then cut to its best length; at temperature > 0 it is not, as
-        cutting after seeing a token would make keeping it depend on its value (and its verification
-        biased), while stopping depends on the tokens before only."""
-        y, rows, confidences, spent = (), [], [], self.drafter.cost.seconds
-        while len(y) < self.cfg.draft_length:
-            if self.greedy:  # the argmax, with its softmax probability as the confidence
-                probs = torch.softmax(root.logits([y])[0].float(), dim=-1)
-                index = int(probs.argmax())
-                token, p = int(root.session.d2t[index]), float(probs[index])
-            else:
-                law = root.law(y)  # over the columns (columns.py)
-                col = int(gen.categorical(law))
-                token, p = root.session.ids[col], float(law[col])
-                rows.append(law)
-            y += (token,)
-            confidences.append(p * (confidences[-1] if confidences else 1.0))
-            if not self.auto.draft_more(confidences):
-                break
-        self._variable_seconds = self.drafter.cost.seconds - spent  # modelled per token, not as fixed
-        self.auto.observe_drafting(len(y), self._variable_seconds)
-        if may_cut_drafted_chain(self.greedy):
-            n = self.auto.choose_length(confidences)
-        else:
-            n = len(y)
-            self.auto.chosen.append(n)
-        self._scores = [math.log(max(a, 1e-300)) for a in confidences[:n]]
-        probs = torch.stack(rows[:n])[None] if rows else None
-        return chain_draft(torch.tensor([y[:n]], dtype=torch.int64), probs)
-
     def _iteration(self, prompt: list[int], out: list[int], root: Root, book: LawBook, gen: Sampler) -> Step:
         base = tuple(out)  # generated so far; the root token is out[-1]
         committed = len(prompt) + len(out) - 1  # target cache entries before the root
-        draft = self._draft(root, gen, [*prompt, *out])
+        draft = self.drafts.draft(root, gen, [*prompt, *out])
         tree = draft.tree
         target_before = self.target.seconds
         features, logits = self.target.forward([out[-1], *tree.tokens[1:]], [-1, *tree.parents[1:]])
@@ -467,23 +345,5 @@ class SpeculativeDecoder:
         return Verified(nodes[1 : res.num_accepted + 1], token, res.continuation)
 
 
-def chain_draft(tokens: Tensor, probs: Tensor | None) -> Draft:
-    """The draft of K chains tokens [K, L] (target ids) with their draft laws probs [K, L, V] or None."""
-    tree, nodes = drafts_tree(tokens.tolist())
-    return Draft(tree, tokens, probs, nodes)
-
-
-def may_cut_drafted_chain(greedy: bool) -> bool:
-    """Whether an auto-length chain may be cut back after drafting: only at temperature 0. When sampling,
-    keeping a drafted token must not depend on its value, or its verification is biased
-    (tests/evaluate/test_decode.py::test_exact_law_of_auto_draft_length shows it)."""
-    return greedy
-
-
 def _as_token_tree(tree: DraftTree) -> TokenTree:
     return TokenTree(list(tree.parents), [0, *tree.tokens[1:]])
-
-
-def point_mass(tokens: Tensor, vocab_size: int) -> Tensor:
-    """tokens [K, L] -> one-hot draft laws [K, L, V] float32 (a deterministic draft's law)."""
-    return torch.nn.functional.one_hot(tokens, vocab_size).to(torch.float32)
