@@ -163,7 +163,7 @@ def chain_draft(tokens: Tensor, probs: Tensor | None) -> Draft:
 def may_cut_drafted_chain(greedy: bool) -> bool:
     """Whether an auto-length chain may be cut back after drafting: only at temperature 0. When sampling,
     keeping a drafted token must not depend on its value, or its verification is biased
-    (tests/evaluate/test_decode.py::test_exact_law_of_auto_draft_length shows it)."""
+    (tests/evaluate/test_auto_sizes.py::test_exact_law_of_auto_draft_length shows it)."""
     return greedy
 
 

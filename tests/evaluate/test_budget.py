@@ -1,4 +1,4 @@
-"""The auto tree budget's cost model: its choice and its online calibration (the loop: test_decode.py)."""
+"""The auto tree budget's cost model: its choice and its online calibration (the loop: test_auto_sizes.py)."""
 
 from __future__ import annotations
 

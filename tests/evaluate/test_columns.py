@@ -36,7 +36,7 @@ def small_vocab_drafter(target, name: str) -> torch.nn.Module:
 
 @pytest.fixture
 def setup():  # function scope: its patch of the drafting code must not outlive its test
-    """test_decode.py's exact setup (a 24-token target whose top-p 0.5 law leaves 38 three-token sequences,
+    """conftest.py's exact setup (a 24-token target whose top-p 0.5 law leaves 38 three-token sequences,
     a draft law near the target's), two new tokens, and a draft vocabulary that misses 4 ids, which the
     target's two-token sequences hold with probability > 0.5."""
     target = tiny_target(V, 12.0, seed=2)

@@ -10,12 +10,10 @@ import time
 import pytest
 import torch
 
-from specblock.evaluate.decoding import loop as decode_mod
 from specblock.evaluate.decoding.continuations import LawBook
 from specblock.evaluate.decoding.loop import DecodeConfig, SpeculativeDecoder
-from specblock.evaluate.decoding.target import TargetSession
-from specblock.evaluate.decoding.trees import DraftTree, TreeConfig, drafts_tree
-from specblock.evaluate.verify import VerifyOutput, greedy_path
+from specblock.evaluate.decoding.trees import TreeConfig
+from specblock.evaluate.verify import VerifyOutput
 from specblock.evaluate.verify import base as verify_base
 
 from tiny_decoding import (
@@ -27,7 +25,6 @@ from tiny_decoding import (
     exact_law,
     loop_law,
     max_error,
-    near_target_law,
     tiny_target,
 )
 
@@ -41,12 +38,6 @@ SCHEMES = [  # (mode, verifier, num_drafts)
     ("iid", "greedy", 2),
     ("tree", "token", 1),
 ]
-
-
-@pytest.fixture(scope="module")
-def greedy_setup():
-    target = tiny_target(64, 1.0)
-    return target, drafters(target)
 
 
 @pytest.mark.parametrize("drafter", ["specblock", "eagle3"])
@@ -185,113 +176,6 @@ def test_fidelity_check_catches_a_lossy_verifier(fidelity_setup, monkeypatch):
 # ---------------------------------------------------------------- pieces
 
 
-def test_target_session_tree_forward_matches_plain_forward(greedy_setup):
-    target, _ = greedy_setup
-    ids = [3, 8, 1, 4, 6, 2]
-    with torch.no_grad():
-        full = target.model(torch.tensor([ids])).logits[0].float()
-    s = TargetSession(target)
-    s.reset()
-    s.forward(ids[:3])
-    # root ids[3], then a tree: node1 = ids[4] (child of root), node2 = 9 (child of root), node3 = ids[5]
-    _, logits = s.forward([ids[3], ids[4], 9, ids[5]], [-1, 0, 0, 1])
-    assert torch.allclose(logits[0], full[3], atol=1e-5)
-    assert torch.allclose(logits[1], full[4], atol=1e-5)
-    assert torch.allclose(logits[3], full[5], atol=1e-5)
-    s.keep(3, [0, 1, 3])  # keep root, node1, node3: the cache now equals ids[:6]
-    assert len(s) == 6
-    _, nxt = s.forward([7])
-    with torch.no_grad():
-        ref = target.model(torch.tensor([ids + [7]])).logits[0, -1].float()
-    assert torch.allclose(nxt[0], ref, atol=1e-5)
-
-
-def test_target_session_keep_cuts_in_place(greedy_setup):
-    """keep moves the kept entries down in place and cuts each layer to a view (no copy of the cache);
-    offsets that are not a path (not ascending) are refused."""
-    target, _ = greedy_setup
-    s = TargetSession(target)
-    s.reset()
-    s.forward([3, 8, 1])
-    s.forward([4, 6, 9, 2], [-1, 0, 0, 2])
-    layer = s.cache.layers[0]
-    before, pointer = layer.keys.clone(), layer.keys.data_ptr()
-    s.keep(3, [0, 2, 3])
-    assert layer.keys.data_ptr() == pointer and len(s) == 6
-    assert torch.equal(layer.keys, before[..., [0, 1, 2, 3, 5, 6], :])
-    with pytest.raises(ValueError, match="ascending"):
-        s.keep(3, [1, 0])
-
-
-@pytest.mark.parametrize("attn", ["eager", "sdpa"])
-def test_target_session_is_right_under_every_attention_implementation(attn):
-    """The session's 4-D tree mask must mean the same to every implementation: a boolean mask was read
-    as "True = attend" by sdpa but added to the scores by eager attention (which then masked nothing:
-    the prefill saw future tokens, and the loop's target, the autoregressive baseline included, was
-    another model that greedy equality could not notice)."""
-    from tiny_models import tiny_llama
-
-    from specblock.data.target import FeatureTarget
-
-    model = tiny_llama(VOCAB, seed=3, attn_implementation=attn)
-    assert model.config._attn_implementation == attn
-    ids = [3, 8, 1, 4, 6, 2, 5]
-    with torch.no_grad():
-        full = model(torch.tensor([ids])).logits[0].float()
-    s = TargetSession(FeatureTarget(model))
-    s.reset()
-    _, prefill = s.forward(ids[:4])
-    assert torch.allclose(prefill, full[:4], atol=1e-5)
-    _, logits = s.forward([ids[4], 9, ids[5]], [-1, -1, 0])  # two children of the cache's last token
-    assert torch.allclose(logits[0], full[4], atol=1e-5) and torch.allclose(logits[2], full[5], atol=1e-5)
-
-
-def test_drafts_tree_merges_shared_prefixes():
-    tree, nodes = drafts_tree([[5, 6, 7], [5, 6, 8], [4, 6, 7]])
-    assert len(tree) == 1 + 4 + 3  # 5, 6, 7, 8 | 4, 6, 7
-    assert nodes[0][:3] == nodes[1][:3] and nodes[0][3] != nodes[1][3]
-    assert tree.path_tokens(nodes[2][3]) == (4, 6, 7)
-
-
-def test_tree_pruning_keeps_best_nodes_and_ancestors():
-    t = DraftTree()
-    a = t.add(0, 1, -0.1)
-    b = t.add(a, 2, -0.5)
-    t.add(0, 3, -0.3)
-    t.add(b, 4, -0.6)
-    pruned, old = t.pruned(3)
-    assert old == [0, 1, 2, 3] and pruned.tokens[1:] == [1, 2, 3]
-    assert all(p < n for n, p in enumerate(pruned.parents) if n)
-
-
-def test_greedy_path_follows_the_argmax_down_the_tree():
-    t = DraftTree()
-    a, b = t.add(0, 5, 0.0), t.add(0, 6, 0.0)  # root children 5 and 6
-    c = t.add(b, 7, 0.0)  # 6 -> 7
-    logits = torch.zeros(len(t), 10)
-    logits[0, 6] = logits[b, 7] = logits[c, 2] = 1.0  # argmax path: 6, 7, then 2 (no such child: next)
-    assert greedy_path(t, logits) == ([b, c], 2)
-    logits[0, 6], logits[0, 9] = 0.0, 3.0  # the root's argmax 9 is no child: nothing accepted
-    assert greedy_path(t, logits) == ([], 9)
-    assert a == 1
-
-
-def test_temperature_zero_forms_no_vocabulary_laws(greedy_setup, monkeypatch):
-    """At temperature 0 neither sampling nor verification calls next_token_law (whose [N, V] rows the
-    verifiers would copy to float64): only argmaxes are read."""
-    target, ds = greedy_setup
-
-    def forbidden(*args, **kwargs):
-        raise AssertionError("next_token_law called at temperature 0")
-
-    monkeypatch.setattr(decode_mod, "next_token_law", forbidden)
-    for mode, verifier, k in [("chain", "token", 1), ("iid", "spectr_gbv", 2), ("tree", "token", 1)]:
-        cfg = DecodeConfig(mode, verifier, k, 3, temperature=0.0, max_new_tokens=8)
-        assert len(SpeculativeDecoder(target, ds["eagle3"], cfg).generate(PROMPT).tokens) == 8
-    lookup = DecodeConfig("lookup", draft_length=3, temperature=0.0, max_new_tokens=8)
-    assert len(SpeculativeDecoder(target, None, lookup).generate(REPEATS).tokens) == 8
-
-
 def test_decode_config_errors():
     with pytest.raises(ValueError, match="mode"):
         DecodeConfig(mode="beam")
@@ -306,18 +190,6 @@ def test_decode_config_errors():
 # ---------------------------------------------------------------- exact law of the real loop
 
 
-@pytest.fixture
-def exact_setup():  # function scope: its patch of the drafting code must not outlive its test
-    """A 24-token target whose top-p 0.5 law leaves 38 three-token sequences, and a draft law near the
-    target's (its logits plus fixed noise, patched over the real drafter's output) so that blocks are
-    often accepted in part: the case where a missing continuation shows."""
-    target = tiny_target(VOCAB, 12.0, seed=2)
-    ds = drafters(target, seed=3)
-    patch = OracleRoot(near_target_law(target), len(PROMPT))
-    yield target, ds
-    patch.uninstall()
-
-
 @pytest.mark.slow
 def test_exact_law_of_the_loop_with_continuations(exact_setup):
     """greedy_block through the real loop (KV caches, tree forward, LawBook continuations): the law of
@@ -328,152 +200,6 @@ def test_exact_law_of_the_loop_with_continuations(exact_setup):
     cfg = DecodeConfig("chain", "greedy_block", 1, 2, 1.0, 0.5, max_new_tokens=HORIZON)
     assert max_error(loop_law(target, ds["specblock"], cfg), ref) < 1e-6
     assert max_error(loop_law(target, ds["specblock"], cfg, carry=False), ref) > 1e-3
-
-
-def frozen_auto(monkeypatch, ms_per_token: float):
-    """The auto length's choice made deterministic (exact enumeration replays the loop many times): a
-    fixed forward curve, no online updates of c, the fixed cost or the drafting cost."""
-    from specblock.evaluate.decoding import budget
-
-    curve = budget.ForwardCurve([1, 64], [10.0, 10.0 + 63 * ms_per_token])
-    monkeypatch.setattr(budget, "measure_forward_curve", lambda probe, grid: curve)
-    monkeypatch.setattr(decode_mod, "measure_forward_curve", lambda probe, grid: curve)
-    monkeypatch.setattr(budget.AutoBudget, "observe", lambda self, *a: None)
-    monkeypatch.setattr(budget.AutoBudget, "observe_drafting", lambda self, *a: None)
-
-
-def test_exact_law_of_auto_draft_length(exact_setup, monkeypatch):
-    """draft_length=auto at temperature > 0: drafting stops on the tokens before, never cutting a drafted
-    token on its own value, so the law of generations is the target's. (Cutting after seeing, as at
-    temperature 0, is biased in general: V = 2, p = (.5, .5), q = (.9, .1), keep x only if x = 1 gives
-    (.85, .15). On this target's top-p laws the cut rarely depends on the value: an error of 5e-8 only,
-    so it is not used as a negative control here.)"""
-    target, ds = exact_setup
-    frozen_auto(monkeypatch, ms_per_token=4.0)  # a forward that grows: chains of 1-3 tokens
-    ref = exact_law(target, 1.0, 0.5)
-    cfg = DecodeConfig("chain", "token", 1, 3, 1.0, 0.5, max_new_tokens=HORIZON, auto_length=True)
-    lengths = []
-    choose = decode_mod.AutoBudget.draft_more
-    monkeypatch.setattr(
-        decode_mod.AutoBudget, "draft_more", lambda self, c: lengths.append(len(c)) or choose(self, c)
-    )
-    assert max_error(loop_law(target, ds["eagle3"], cfg), ref) < 1e-6
-    assert 1 in lengths and 2 in lengths  # the rule stopped early and went on, depending on the draft
-
-
-@pytest.mark.parametrize("drafter", ["specblock", "eagle3"])
-@pytest.mark.parametrize("ms_per_token, length", [(0.0, 6), (50.0, 1)])
-def test_auto_draft_length_keeps_greedy_equality(greedy_setup, drafter, ms_per_token, length, monkeypatch):
-    """Free width drafts whole chains of max length, expensive width one token; both exact."""
-    target, ds = greedy_setup
-    frozen_auto(monkeypatch, ms_per_token)
-    ar = DecodeConfig(mode="autoregressive", temperature=0.0, max_new_tokens=20)
-    cfg = DecodeConfig("chain", "token", 1, 6, 0.0, max_new_tokens=20, auto_length=True)
-    dec = SpeculativeDecoder(target, ds[drafter], cfg)
-    for prompt in (PROMPT, [7, 2]):
-        assert dec.generate(prompt).tokens == SpeculativeDecoder(target, None, ar).generate(prompt).tokens
-    assert dec.auto.chosen and set(dec.auto.chosen) == {length}
-
-
-@pytest.mark.parametrize("drafter, depth", [("specblock", 3), ("eagle3", 1)])
-def test_auto_tree_stops_drafting_rounds_that_cannot_pay(greedy_setup, drafter, depth, monkeypatch):
-    """With drafter rounds known to cost a second each, budget=auto drafts the first round only (the
-    root's own: EAGLE-3's first step, SpecBlock's first block of 3 slots) and stays exact."""
-    target, ds = greedy_setup
-    frozen_auto(monkeypatch, ms_per_token=0.0)
-    tree = TreeConfig(budget="auto", max_budget=12, steps=3, beam=4, topk=4)
-    dec = SpeculativeDecoder(
-        target, ds[drafter], DecodeConfig("tree", temperature=0.0, max_new_tokens=20, tree=tree)
-    )
-    dec.auto.rounds, dec.auto.round_total_ms = 1, 1000.0
-    ar = DecodeConfig(mode="autoregressive", temperature=0.0, max_new_tokens=20)
-    for prompt in (PROMPT, [7, 2]):
-        out = dec.generate(prompt)
-        assert out.tokens == SpeculativeDecoder(target, None, ar).generate(prompt).tokens
-        assert all(it.draft_len <= depth for it in out.iterations)
-        assert all(it.drafter_calls == 1 for it in out.iterations[:-1])  # the advance only
-
-
-def test_specblock_round_starts_blocks_from_the_leaves_the_budget_keeps(greedy_setup, monkeypatch):
-    """budget=auto: the second block round starts blocks only from the leaves `more_rounds` counts (the
-    likeliest first), one drafter row each, and the decoding stays exact."""
-    from specblock.evaluate.decoding import budget, drafters
-
-    target, ds = greedy_setup
-    frozen_auto(monkeypatch, ms_per_token=0.0)
-    monkeypatch.setattr(budget.AutoBudget, "more_rounds", lambda self, scores, frontier: 2)
-    rows = []
-    next_blocks = drafters._next_blocks
-    monkeypatch.setattr(
-        drafters,
-        "_next_blocks",
-        lambda r, t, b, leaves: rows.append(len(leaves)) or next_blocks(r, t, b, leaves),
-    )
-    tree = TreeConfig(budget="auto", max_budget=12, steps=2, beam=4, topk=4)
-    dec = SpeculativeDecoder(
-        target, ds["specblock"], DecodeConfig("tree", temperature=0.0, max_new_tokens=16, tree=tree)
-    )
-    ar = DecodeConfig(mode="autoregressive", temperature=0.0, max_new_tokens=16)
-    assert dec.generate(PROMPT).tokens == SpeculativeDecoder(target, None, ar).generate(PROMPT).tokens
-    assert rows and set(rows) == {2}
-
-
-def test_auto_draft_length_is_refused_where_the_length_is_a_horizon():
-    for mode, verifier, k in (("iid", "spectr", 2), ("chain", "greedy_block", 1), ("tree", "token", 1)):
-        with pytest.raises(ValueError, match="draft_length=auto"):
-            DecodeConfig(mode, verifier, k, 4, auto_length=True)
-
-
-# ---------------------------------------------------------------- prompt lookup (no drafter)
-
-REPEATS = [3, 3, 4, 3, 3, 4, 3]  # prompts with repeated spans, so lookup finds drafts from the start
-LOOKUP_PROMPTS = [PROMPT, [7, 2], REPEATS, [1, 2, 5, 1, 2, 5, 1]]
-# (5, 9, 3), then the 24-token target's greedy continuation of it, then (5, 9, 3) again: the first
-# iteration drafts that continuation, which the target often (not always) samples
-LOOKUP_PROMPT = [5, 9, 3, 11, 12, 7, 23, 5, 9, 3]
-
-
-def test_lookup_greedy_equals_target_greedy(greedy_setup):
-    target, _ = greedy_setup
-    ar = DecodeConfig(mode="autoregressive", temperature=0.0, max_new_tokens=24)
-    accepted = 0
-    for prompt in LOOKUP_PROMPTS:
-        ref = SpeculativeDecoder(target, None, ar).generate(prompt)
-        cfg = DecodeConfig("lookup", draft_length=4, temperature=0.0, max_new_tokens=24)
-        out = SpeculativeDecoder(target, None, cfg).generate(prompt)
-        assert out.tokens == ref.tokens
-        assert out.target_calls == out.prefill_calls + len(out.iterations)
-        assert all(it.drafter_calls == 0 for it in out.iterations) and out.prefill_drafter_calls == 0
-        accepted += sum(it.accepted for it in out.iterations)
-    assert accepted >= 10  # the random target loops, and lookup drafts its loops
-
-
-@pytest.mark.parametrize("temperature,top_p", [(1.0, 0.5), (0.7, 0.5)])
-def test_exact_law_of_lookup_decoding(temperature, top_p):
-    """Lookup through the real loop (token verifier with a point-mass draft, plain target steps where
-    nothing matches): the law of three generated tokens equals the target's, with drafts accepted in a
-    good part of the outcomes; a verifier that accepts every draft token is caught (negative control)."""
-    target, prompt = tiny_target(VOCAB, 12.0, seed=2), LOOKUP_PROMPT
-    cfg = DecodeConfig("lookup", draft_length=2, temperature=temperature, top_p=top_p, max_new_tokens=HORIZON)
-    ref, accepted = exact_law(target, temperature, top_p, prompt), []
-    law = loop_law(target, None, cfg, prompt=prompt, accepted=accepted)
-    assert max_error(law, ref) < 1e-6  # float32 forwards of different shapes
-    assert sum(accepted) > 0.1  # P(some draft token accepted): 0.22 at T = 1, 0.16 at T = 0.7
-
-
-def test_exact_law_of_lookup_catches_a_lossy_verifier(monkeypatch):
-    target, prompt = tiny_target(VOCAB, 12.0, seed=2), LOOKUP_PROMPT
-
-    def accept_all(target_probs, draft_probs, draft_tokens, generator=None, *, sampler=None):
-        L = draft_tokens.shape[1]
-        return VerifyOutput(L, 0, sampler.categorical(target_probs[0, L]))
-
-    monkeypatch.setitem(verify_base.VERIFIERS, "token", accept_all)
-    cfg = DecodeConfig("lookup", draft_length=2, temperature=1.0, top_p=0.5, max_new_tokens=HORIZON)
-    assert max_error(loop_law(target, None, cfg, prompt=prompt), exact_law(target, 1.0, 0.5, prompt)) > 1e-3
-
-
-# ---------------------------------------------------------------- the continuation's costs
 
 
 def test_continuation_draft_laws_come_prefetched_and_count_as_drafting(greedy_setup, monkeypatch):

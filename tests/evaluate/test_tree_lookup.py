@@ -24,7 +24,7 @@ from specblock.evaluate.verify import tree as tree_mod
 from tiny_decoding import HORIZON, PROMPT, VOCAB, drafters, exact_law, loop_law, max_error, tiny_target
 
 REPEATS = [3, 3, 4, 3, 3, 4, 3]  # a prompt with repeated spans: lookup drafts from the start
-LOOKUP_PROMPT = [5, 9, 3, 11, 12, 7, 23, 5, 9, 3]  # test_decode.py's: its first lookup draft is often right
+LOOKUP_PROMPT = [5, 9, 3, 11, 12, 7, 23, 5, 9, 3]  # test_lookup.py's: its first lookup draft is often right
 SMALL_TREE = TreeConfig(budget=6, steps=1, beam=2, topk=2)
 
 

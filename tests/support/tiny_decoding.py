@@ -18,6 +18,7 @@ from tiny_models import tiny_llama
 
 VOCAB, HORIZON = 24, 3  # the statistical tests' vocabulary and number of new tokens
 PROMPT = [1, 5, 9, 3]
+REPEATS = [3, 3, 4, 3, 3, 4, 3]  # a prompt with repeated spans, so lookup finds drafts from the start
 
 
 def tiny_target(vocab: int, sharpen: float, seed: int = 0) -> FeatureTarget:

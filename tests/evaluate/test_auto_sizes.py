@@ -1,0 +1,114 @@
+"""The auto draft length and auto tree budget in the real loop: greedy equality, the exact law of whole
+generations with the length chosen per iteration, rounds that cannot pay left undrafted (the cost model
+alone: test_budget.py)."""
+
+from __future__ import annotations
+
+
+import pytest
+
+from specblock.evaluate.decoding import loop as decode_mod
+from specblock.evaluate.decoding.loop import DecodeConfig, SpeculativeDecoder
+from specblock.evaluate.decoding.trees import TreeConfig
+
+from tiny_decoding import (
+    HORIZON,
+    PROMPT,
+    exact_law,
+    loop_law,
+    max_error,
+)
+
+
+def frozen_auto(monkeypatch, ms_per_token: float):
+    """The auto length's choice made deterministic (exact enumeration replays the loop many times): a
+    fixed forward curve, no online updates of c, the fixed cost or the drafting cost."""
+    from specblock.evaluate.decoding import budget
+
+    curve = budget.ForwardCurve([1, 64], [10.0, 10.0 + 63 * ms_per_token])
+    monkeypatch.setattr(budget, "measure_forward_curve", lambda probe, grid: curve)
+    monkeypatch.setattr(decode_mod, "measure_forward_curve", lambda probe, grid: curve)
+    monkeypatch.setattr(budget.AutoBudget, "observe", lambda self, *a: None)
+    monkeypatch.setattr(budget.AutoBudget, "observe_drafting", lambda self, *a: None)
+
+
+def test_exact_law_of_auto_draft_length(exact_setup, monkeypatch):
+    """draft_length=auto at temperature > 0: drafting stops on the tokens before, never cutting a drafted
+    token on its own value, so the law of generations is the target's. (Cutting after seeing, as at
+    temperature 0, is biased in general: V = 2, p = (.5, .5), q = (.9, .1), keep x only if x = 1 gives
+    (.85, .15). On this target's top-p laws the cut rarely depends on the value: an error of 5e-8 only,
+    so it is not used as a negative control here.)"""
+    target, ds = exact_setup
+    frozen_auto(monkeypatch, ms_per_token=4.0)  # a forward that grows: chains of 1-3 tokens
+    ref = exact_law(target, 1.0, 0.5)
+    cfg = DecodeConfig("chain", "token", 1, 3, 1.0, 0.5, max_new_tokens=HORIZON, auto_length=True)
+    lengths = []
+    choose = decode_mod.AutoBudget.draft_more
+    monkeypatch.setattr(
+        decode_mod.AutoBudget, "draft_more", lambda self, c: lengths.append(len(c)) or choose(self, c)
+    )
+    assert max_error(loop_law(target, ds["eagle3"], cfg), ref) < 1e-6
+    assert 1 in lengths and 2 in lengths  # the rule stopped early and went on, depending on the draft
+
+
+@pytest.mark.parametrize("drafter", ["specblock", "eagle3"])
+@pytest.mark.parametrize("ms_per_token, length", [(0.0, 6), (50.0, 1)])
+def test_auto_draft_length_keeps_greedy_equality(greedy_setup, drafter, ms_per_token, length, monkeypatch):
+    """Free width drafts whole chains of max length, expensive width one token; both exact."""
+    target, ds = greedy_setup
+    frozen_auto(monkeypatch, ms_per_token)
+    ar = DecodeConfig(mode="autoregressive", temperature=0.0, max_new_tokens=20)
+    cfg = DecodeConfig("chain", "token", 1, 6, 0.0, max_new_tokens=20, auto_length=True)
+    dec = SpeculativeDecoder(target, ds[drafter], cfg)
+    for prompt in (PROMPT, [7, 2]):
+        assert dec.generate(prompt).tokens == SpeculativeDecoder(target, None, ar).generate(prompt).tokens
+    assert dec.auto.chosen and set(dec.auto.chosen) == {length}
+
+
+@pytest.mark.parametrize("drafter, depth", [("specblock", 3), ("eagle3", 1)])
+def test_auto_tree_stops_drafting_rounds_that_cannot_pay(greedy_setup, drafter, depth, monkeypatch):
+    """With drafter rounds known to cost a second each, budget=auto drafts the first round only (the
+    root's own: EAGLE-3's first step, SpecBlock's first block of 3 slots) and stays exact."""
+    target, ds = greedy_setup
+    frozen_auto(monkeypatch, ms_per_token=0.0)
+    tree = TreeConfig(budget="auto", max_budget=12, steps=3, beam=4, topk=4)
+    dec = SpeculativeDecoder(
+        target, ds[drafter], DecodeConfig("tree", temperature=0.0, max_new_tokens=20, tree=tree)
+    )
+    dec.auto.rounds, dec.auto.round_total_ms = 1, 1000.0
+    ar = DecodeConfig(mode="autoregressive", temperature=0.0, max_new_tokens=20)
+    for prompt in (PROMPT, [7, 2]):
+        out = dec.generate(prompt)
+        assert out.tokens == SpeculativeDecoder(target, None, ar).generate(prompt).tokens
+        assert all(it.draft_len <= depth for it in out.iterations)
+        assert all(it.drafter_calls == 1 for it in out.iterations[:-1])  # the advance only
+
+
+def test_specblock_round_starts_blocks_from_the_leaves_the_budget_keeps(greedy_setup, monkeypatch):
+    """budget=auto: the second block round starts blocks only from the leaves `more_rounds` counts (the
+    likeliest first), one drafter row each, and the decoding stays exact."""
+    from specblock.evaluate.decoding import budget, drafters
+
+    target, ds = greedy_setup
+    frozen_auto(monkeypatch, ms_per_token=0.0)
+    monkeypatch.setattr(budget.AutoBudget, "more_rounds", lambda self, scores, frontier: 2)
+    rows = []
+    next_blocks = drafters._next_blocks
+    monkeypatch.setattr(
+        drafters,
+        "_next_blocks",
+        lambda r, t, b, leaves: rows.append(len(leaves)) or next_blocks(r, t, b, leaves),
+    )
+    tree = TreeConfig(budget="auto", max_budget=12, steps=2, beam=4, topk=4)
+    dec = SpeculativeDecoder(
+        target, ds["specblock"], DecodeConfig("tree", temperature=0.0, max_new_tokens=16, tree=tree)
+    )
+    ar = DecodeConfig(mode="autoregressive", temperature=0.0, max_new_tokens=16)
+    assert dec.generate(PROMPT).tokens == SpeculativeDecoder(target, None, ar).generate(PROMPT).tokens
+    assert rows and set(rows) == {2}
+
+
+def test_auto_draft_length_is_refused_where_the_length_is_a_horizon():
+    for mode, verifier, k in (("iid", "spectr", 2), ("chain", "greedy_block", 1), ("tree", "token", 1)):
+        with pytest.raises(ValueError, match="draft_length=auto"):
+            DecodeConfig(mode, verifier, k, 4, auto_length=True)
