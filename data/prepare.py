@@ -26,7 +26,8 @@ from .manifest import Manifest, ManifestMismatchError, chat_template_hash, check
 from .manifest import read_manifest, tokenizer_hash
 from .regenerate import BACKENDS, fitting_prompts, regenerate
 from .shards import write_token_shards
-from .target import FeatureTarget, TargetConfig, ensure_embedded_target, load_target, load_tokenizer
+from .target import FeatureTarget, TargetConfig, load_target, load_tokenizer
+from .embedded import ensure_embedded_target
 from .templates import TemplateMaskError, render_with_mask
 from .world import World
 

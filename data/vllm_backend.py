@@ -63,7 +63,7 @@ def load(target: TargetConfig, cfg: RegenerateConfig, world: World) -> VllmTarge
     if target.gguf_file is not None:
         raise ValueError(
             "data.regenerate.backend=vllm loads a safetensors folder or hub id, not "
-            f"data.target.gguf_file={target.gguf_file!r}: convert it once (specblock.data.target.convert_gguf) "
+            f"data.target.gguf_file={target.gguf_file!r}: convert it once (specblock.data.embedded.convert_gguf) "
             "and point data.target.name_or_path at the folder"
         )
     kwargs: dict[str, Any] = dict(

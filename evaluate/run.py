@@ -27,7 +27,8 @@ from tqdm.auto import tqdm
 
 from specblock.data.evalsets import EvalPrompt, EvalSet, EvalSetConfig, load_eval_set, turn_ids
 from specblock.data.io import atomic_path
-from specblock.data.target import DTYPES, FeatureTarget, ensure_embedded_target, eos_ids, load_target
+from specblock.data.target import DTYPES, FeatureTarget, eos_ids, load_target
+from specblock.data.embedded import ensure_embedded_target
 from specblock.train.export import load_drafter
 
 from .adapt import Adapter

@@ -26,7 +26,8 @@ from tqdm.auto import tqdm
 
 from specblock.data.evalsets import prompt_ids
 from specblock.data.logs import setup_logging
-from specblock.data.target import FeatureTarget, TargetConfig, ensure_embedded_target, load_target
+from specblock.data.target import FeatureTarget, TargetConfig, load_target
+from specblock.data.embedded import ensure_embedded_target
 from specblock.evaluate.adapt import Adapter, AdaptConfig
 from specblock.evaluate.config import EvalConfig
 from specblock.evaluate.decoding.loop import DecodeConfig, SpeculativeDecoder

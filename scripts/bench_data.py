@@ -16,13 +16,8 @@ from specblock.data.corpora import CorpusConfig, load_conversations
 from specblock.data.errors import RowPolicy
 from specblock.data.logs import setup_logging
 from specblock.data.regenerate import RegenerateConfig, fitting_prompts, generate_batch, user_rounds
-from specblock.data.target import (
-    DEFAULT_TARGET_DIR,
-    FeatureTarget,
-    TargetConfig,
-    ensure_embedded_target,
-    load_target,
-)
+from specblock.data.target import DEFAULT_TARGET_DIR, FeatureTarget, TargetConfig, load_target
+from specblock.data.embedded import ensure_embedded_target
 from specblock.data.templates import render_with_mask
 
 

