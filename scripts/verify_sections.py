@@ -26,7 +26,7 @@ from specblock.data.logs import setup_logging
 from specblock.data.target import TargetConfig, load_target
 from specblock.evaluate.decoding import columns, continuations, loop
 from specblock.evaluate.run import eos_ids
-from specblock.evaluate.verify import greedy_block
+from specblock.evaluate.verify import continuation
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ PARTS = [  # (owner, attribute, label)
     (loop, "next_token_law", "softmax"),
     (columns.DraftColumns, "target", "columns"),
     (continuations.LawBook, "prefetch", "prefetch (continuation + drafter)"),
-    (greedy_block.RGBVContinuation, "prepare", "continuation"),
+    (continuation.RGBVContinuation, "prepare", "continuation"),
     (continuations.LawBook, "laws", "input"),
 ]
 

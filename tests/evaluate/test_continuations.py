@@ -10,7 +10,7 @@ import torch
 
 from specblock.evaluate.decoding.continuations import LawBook
 from specblock.evaluate.decoding.loop import DecodeConfig, SpeculativeDecoder
-from specblock.evaluate.verify.greedy_block import RGBVContinuation, Stage, row_law
+from specblock.evaluate.verify.continuation import RGBVContinuation, Stage, row_law
 
 from tiny_decoding import PROMPT, drafters, tiny_target
 

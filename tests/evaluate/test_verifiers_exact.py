@@ -22,7 +22,7 @@ from specblock.evaluate.verify.exact import (
     law_error,
     sequences,
 )
-from specblock.evaluate.verify.greedy_block import Coupling, RGBVContinuation, Stage, committed_reach, row_law
+from specblock.evaluate.verify.continuation import Coupling, RGBVContinuation, Stage, committed_reach, row_law
 from specblock.evaluate.verify.residuals import draft_rows
 from specblock.evaluate.verify.multidraft import RHO_TOL
 from specblock.evaluate.verify.randomness import ACC_DTYPE, backward_scan, make_sampler
