@@ -95,6 +95,10 @@ class EvalConfig:
     trees: dict[str, TreeConfig] = field(default_factory=default_trees)
     lookup: LookupConfig = field(default_factory=LookupConfig)  # prompt lookup's n-gram range
     adapt: AdaptConfig = field(default_factory=AdaptConfig)  # serving-time adaptation (off by default)
+    # the drafters' precision: None = the target's (target.dtype). A drafter's matrix products are small, and
+    # on a CPU without AMX they can run faster in float32 while the target's tree forwards run faster in bf16.
+    # Exactness does not depend on it: the verifiers keep the target's law whatever the draft law.
+    drafter_dtype: str | None = None
     # autoregressive decoding also runs in these precisions where target.dtype differs, labelled
     # "autoregressive@<dtype>", so that speedups count against the fastest plain decoding of the target
     # (issue 12): on a CPU a one-token bf16 step can be slower than a float32 one. "auto": float32 on a CPU,
@@ -134,6 +138,8 @@ class EvalConfig:
                 f"draft_length=auto chooses a chain's length per iteration; {fixed} need a fixed draft_length "
                 "(iid drafts, or a verifier whose continuation spans L tokens)"
             )
+        if self.drafter_dtype is not None and self.drafter_dtype not in DTYPES:
+            raise ValueError(f"drafter_dtype={self.drafter_dtype!r} is not one of {sorted(DTYPES)} (or null)")
         if self.baseline_dtypes == AUTO:
             self.baseline_dtypes = [] if self.target.device.startswith("cuda") else ["float32"]
         self.baseline_dtypes = list(self.baseline_dtypes)

@@ -56,8 +56,10 @@ TURN_SEED_STRIDE = 1_000_003
 
 
 def load_drafters(cfg: EvalConfig, target) -> dict[str, tuple[torch.nn.Module, dict]]:
-    """Every exported drafter, on the target's device and in its dtype (the evaluation's precision)."""
+    """Every exported drafter, on the target's device, in its dtype (the evaluation's precision) or in
+    `cfg.drafter_dtype`."""
     target_vocab = target.config.get_text_config().vocab_size
+    dtype = DTYPES[cfg.drafter_dtype] if cfg.drafter_dtype else target.dtype
     out = {}
     for name, folder in cfg.drafters.items():
         if not (Path(folder) / "config.json").exists():
@@ -71,7 +73,7 @@ def load_drafters(cfg: EvalConfig, target) -> dict[str, tuple[torch.nn.Module, d
             raise ValueError(
                 f"drafters.{name} ({folder}) was trained for a vocabulary of {vocab}, the target has {target_vocab}"
             )
-        out[name] = (module.to(device=target.device, dtype=target.dtype), meta)
+        out[name] = (module.to(device=target.device, dtype=dtype), meta)
     return out
 
 
@@ -268,7 +270,8 @@ def record_fields(cfg: EvalConfig) -> dict[str, Any]:
         "L": cfg.draft_length,
         "temperature": cfg.temperature,
         "top_p": cfg.top_p,
-        "dtype": cfg.target.dtype,  # of the target and every drafter (auto resolved)
+        "dtype": cfg.target.dtype,  # of the target (auto resolved)
+        "drafter_dtype": cfg.drafter_dtype or cfg.target.dtype,
         "max_new_tokens": cfg.max_new_tokens,
         "limit": cfg.limit,
         "trees": {k: asdict(v) for k, v in cfg.trees.items()},

@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import logging
 import statistics
 import sys
@@ -34,7 +35,13 @@ from specblock.data.target import DEFAULT_TARGET_DIR, DTYPES, FeatureTarget, Tar
 
 from specblock.evaluate.config import EvalConfig, parse_method
 from specblock.evaluate.decoding.drafters import drafting_spec
-from specblock.evaluate.decoding.loop import TREE_MODES, DecodeConfig, Generation, SpeculativeDecoder
+from specblock.evaluate.decoding.loop import (
+    DRAFTERLESS,
+    TREE_MODES,
+    DecodeConfig,
+    Generation,
+    SpeculativeDecoder,
+)
 from specblock.evaluate.decoding.target import TargetSession
 from specblock.evaluate.decoding.trees import TreeConfig
 from specblock.evaluate.reporting.metrics import AUTOREGRESSIVE, ratio
@@ -127,10 +134,25 @@ class HFGreedy:
 
 
 def decoders(args, model, eos: list[int]) -> dict[str, SpeculativeDecoder]:
-    """One decoder per method, all on `model`; the drafter is cast to the model's dtype."""
-    drafter, layers = make_drafter(args.drafter, model, args.draft_vocab)
-    if drafter is not None:
-        drafter = drafter.to(device=model.device, dtype=model.dtype)
+    """One decoder per method, all on `model`; the drafter in the model's dtype, or one decoder per
+    --drafter-dtype (labelled "<method> d:<dtype>") where several are given or one differs."""
+    made, layers = make_drafter(args.drafter, model, args.draft_vocab)
+    kinds = args.drafter_dtype or [None]
+    out = {}
+    for i, kind in enumerate(kinds):
+        dtype = model.dtype if kind is None else DTYPES[kind]
+        drafter = None if made is None else copy.deepcopy(made).to(device=model.device, dtype=dtype)
+        suffix = "" if kind is None or (len(kinds) == 1 and dtype == model.dtype) else f" d:{kind}"
+        for name, dec in method_decoders(args, model, eos, drafter, layers).items():
+            if dec.cfg.mode not in DRAFTERLESS:
+                out[name + suffix] = dec
+            elif i == 0:  # no drafter: once
+                out[name] = dec
+    return out
+
+
+def method_decoders(args, model, eos: list[int], drafter, layers) -> dict[str, SpeculativeDecoder]:
+    """One decoder per method of args.methods, with this drafter."""
     out = {}
     for method in args.methods:
         if method == HF_GREEDY:
@@ -309,6 +331,10 @@ def parse_args(argv: list[str] | None):
     )
     ap.add_argument("--target", default=DEFAULT_TARGET_DIR)
     ap.add_argument("--dtype", nargs="+", default=["float32"], choices=sorted(DTYPES))
+    ap.add_argument(
+        "--drafter-dtype", nargs="+", choices=sorted(DTYPES),
+        help="the drafter's precision(s), side by side (default: the target's)",
+    )  # fmt: skip
     ap.add_argument("--device", default="cpu")
     ap.add_argument(
         "--threads", type=int, help="torch CPU threads (default torch's; on a CPU other jobs share, 1)"

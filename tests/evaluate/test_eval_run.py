@@ -35,6 +35,16 @@ def test_eval_config_composes_and_validates():
         EvalConfig(methods=["beam"])
     with pytest.raises(ValueError, match="datasets"):
         EvalConfig(datasets=["squad"])
+    with pytest.raises(ValueError, match="drafter_dtype"):
+        EvalConfig(drafter_dtype="float64")
+    assert (
+        EvalConfig(target=TargetConfig(dtype="float32")).baselines == []
+    )  # plain decoding is float32 already
+    with initialize_config_module("specblock.configs", version_base=None):  # a list from the command line
+        ec = OmegaConf.to_object(
+            compose("eval", overrides=["target.dtype=bfloat16", "baseline_dtypes=[float16]"])
+        )
+    assert ec.baselines == ["float16"] and ec.drafter_dtype is None
     assert all(parse_method(m) for m in METHODS)
     with initialize_config_module("specblock.configs", version_base=None):
         over = ["target.dtype=auto", "methods=[autoregressive,lookup]", "lookup.max_ngram=4"]
@@ -120,8 +130,10 @@ def test_evaluate_end_to_end_on_tiny_target(tmp_path):
         max_new_tokens=10,
         num_drafts=2,
         draft_length=3,
+        drafter_dtype="bfloat16",  # the drafters apart from the float32 target: exactness does not depend on it
     )
     rows = evaluate(cfg, {"resolved": True})
+    assert {(r["dtype"], r["drafter_dtype"]) for r in rows} == {("float32", "bfloat16")}
     out = tmp_path / "eval"
     assert read_jsonl(out / "results.jsonl") == json.loads(json.dumps(rows))
     assert (out / "acceptance_at.png").stat().st_size > 0
