@@ -75,6 +75,7 @@ class Coupling:
         self._law: dict[tuple[int, Prefix], RowLaw] = {}
         self._joint: dict[tuple[int, Prefix], float] = {}
         self._draft: dict[Prefix, float] = {(): 1.0}
+        self.final: dict[Prefix, torch.Tensor] = {}  # normalised laws after every stage, made by `prepare`
 
     def draft_joint(self, y: Prefix) -> float:
         """P(y), this iteration's draft law."""
@@ -134,6 +135,9 @@ class Coupling:
                     self._joint[(j, ys[r])] = t
                 joint[r] = t
             if j == len(self.stages):
+                if stacked:
+                    rows_at = [(joint[r], lam[r], token[r]) for r in stacked]
+                    self._final_laws([ys[r] for r in stacked], q, p, rows_at)
                 return
             st, todo = self.stages[j], []
             for r, y in enumerate(ys):  # _after_stage's cases, the new masses left for one pass
@@ -159,6 +163,23 @@ class Coupling:
                     if m > 0:
                         law[r], lam[r], mass[r] = RowLaw(v), v, m
                     self._law[(j + 1, ys[r])] = law[r]
+
+    def _final_laws(self, ys: list[Prefix], q: torch.Tensor, p: torch.Tensor, rows: list[tuple]) -> None:
+        """The normalised laws (q - lam p)_+ / S(lam) after every stage of the stacked rows ys (q, p [R, V];
+        rows: (joint, lam, token) of each) that have one, in one pass over [R, V] instead of one per row as
+        RGBVContinuation asks for them; the arithmetic of `residual_masses`, so S(lam) is their sum."""
+        keep = [i for i, (t, lam, token) in enumerate(rows) if t > 0.0 and token is None and lam != 0.0]
+        if not keep:
+            return
+        if len(keep) < len(ys):
+            idx = torch.tensor(keep, device=q.device)
+            q, p = q.index_select(0, idx), p.index_select(0, idx)
+        lams = torch.tensor([rows[i][1] for i in keep], dtype=q.dtype, device=q.device).unsqueeze(1)
+        masses = [self.rows.mass(ys[i], rows[i][1]) for i in keep]
+        law = torch.addcmul(q, p, lams, value=-1.0).clamp_(min=0)
+        law.div_(torch.tensor(masses, dtype=q.dtype, device=q.device).unsqueeze(1))
+        for n, i in enumerate(keep):
+            self.final[ys[i]] = law[n]
 
     def _after_stage(self, stage: Stage, j: int, y: Prefix) -> RowLaw:
         prev, t = self.law(j - 1, y), self.joint(j - 1, y)
@@ -226,6 +247,8 @@ class RGBVContinuation:
         if len(prefix) >= self.horizon or committed_reach(self.stages, prefix) < len(prefix):
             return into(target_probs_at(prefix), out)  # past the horizon, or probability 0: the target
         coupling = self._coupling(target_probs_at, draft_probs_at)
+        if prefix in coupling.final:  # made in one batch by `prepare`
+            return into(coupling.final[prefix], out)
         j = len(self.stages)
         if coupling.joint(j, prefix) <= 0.0:  # the prefix has probability 0 under T: any law will do
             return into(target_probs_at(prefix), out)

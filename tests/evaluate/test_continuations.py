@@ -48,6 +48,37 @@ def test_continuation_rows_are_normalised_by_the_coupling_mass_bit_for_bit():
     assert checked >= n  # the live rows are residuals: the path that skips the sum
 
 
+def test_prepared_rows_equal_the_rows_asked_one_by_one():
+    """`prepare` (what the loop calls before a verification reads a level's rows) computes the rows' laws
+    after every stage in one batch over [rows, V]: the same laws as asked one by one, normalised."""
+    gen = torch.Generator().manual_seed(1)
+    V, n, laws = 4096, 3, {}
+
+    def law_at(kind):
+        def at(y):
+            key = (kind, tuple(y))
+            if key not in laws:
+                laws[key] = torch.softmax(3 * torch.randn(V, generator=gen), -1)
+            return laws[key]
+
+        return at
+
+    target_at, draft_at = law_at("q"), law_at("p")
+    stages = (Stage((1, 2, 0), 1), Stage((1, 0, 3), 0), Stage((7, 7, 7), 0))  # token 1 committed first
+    one_by_one, batched = RGBVContinuation(stages, n), RGBVContinuation(stages, n)
+    # live prefixes (the committed token 1, then tokens the law after it keeps), a dead one, the horizon
+    top = one_by_one((1,), target_at, draft_at).topk(3).indices.tolist()
+    prefixes = [(2,), *((1, x) for x in top), (1, top[0], 5)]
+    asked = sorted({y[:m] for y in prefixes for m in range(len(y) + 1)}, key=len)
+    batched.prepare([y for y in asked if batched.reads_draft(y)], target_at, draft_at)
+    made = batched._coupling(target_at, draft_at).final
+    assert len(made) >= 3  # the residual rows came from the batch (not a vacuous comparison)
+    for y in asked:
+        a, b = one_by_one(y, target_at, draft_at), batched(y, target_at, draft_at)
+        assert torch.allclose(a, b, rtol=1e-6, atol=1e-9), y
+        assert abs(float(b.double().sum()) - 1.0) < 1e-5, y
+
+
 def test_frozen_levels_do_not_pile_up():
     """SpecTr-GBV at T > 0 with a poor drafter: blocks are rejected early, so a new continuation comes into
     force every iteration and the old ones freeze. The book keeps the live levels and the one frozen level
