@@ -11,7 +11,7 @@ import sys
 import torch
 
 sys.path.insert(0, "scripts")
-import bench_decode as bd
+import ab_loop
 from specblock.evaluate.decoding import drafters, drafting
 from specblock.train.modeling.common import DraftCache
 
@@ -47,7 +47,7 @@ class Copied:
 
 
 def main(argv: list[str] | None = None) -> None:
-    bd.ab_tree_auto(OLD, Copied, argv)
+    ab_loop.ab_tree_auto(OLD, Copied, argv)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ median of the repeats; lookup and the drafter's plain tree beside them.
 import sys
 
 sys.path.insert(0, "scripts")
-import bench_decode as bd
+import ab_loop
 from specblock.evaluate.decoding.trees import graft_chain
 
 BASE = "tree+lookup@auto"
@@ -44,7 +44,7 @@ def chain_after_budget(dec):
 
 def main(argv: list[str] | None = None) -> None:
     args = [*METHODS, *(sys.argv[1:] if argv is None else argv)]
-    bd.ab_tree_auto(OLD, chain_after_budget, args, base=BASE, more={NO_GATE: no_gate})
+    ab_loop.ab_tree_auto(OLD, chain_after_budget, args, base=BASE, more={NO_GATE: no_gate})
 
 
 if __name__ == "__main__":

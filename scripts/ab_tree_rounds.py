@@ -10,7 +10,7 @@ import sys
 
 
 sys.path.insert(0, "scripts")
-import bench_decode as bd
+import ab_loop
 from specblock.evaluate.decoding import budget
 
 OLD = "tree@auto, every beam leaf"
@@ -29,7 +29,7 @@ def old_rule(dec):
 
 
 def main(argv: list[str] | None = None) -> None:
-    bd.ab_tree_auto(OLD, old_rule, argv)
+    ab_loop.ab_tree_auto(OLD, old_rule, argv)
 
 
 if __name__ == "__main__":

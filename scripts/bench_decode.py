@@ -21,7 +21,6 @@ import argparse
 import copy
 import logging
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -363,32 +362,6 @@ def parse_args(argv: list[str] | None):
     if args.local_root in ("none", "null"):
         args.local_root = None
     return args
-
-
-def ab_tree_auto(
-    old: str, variant, argv: list[str] | None = None, base: str = "tree@auto", more: dict | None = None
-) -> None:
-    """An A/B of a loop change in one process: `base` (default tree@auto) now against `variant(decoder)`
-    (the rule before, named `old`), with autoregressive decoding, bf16, T = 0, 1 thread, prompts
-    interleaved, median of the repeats; defaults: the cpu_full SpecBlock drafter, 64 new tokens on GSM8K.
-    `more`: further variants, name -> function of the base decoder. Prints the decoding table."""
-    setup_logging()
-    defaults = [
-        "--methods",
-        "autoregressive",
-        "tree@auto",
-        "--drafter",
-        "checkpoints/cpu_full-specblock/drafter",
-    ]
-    defaults += ["--dataset", "gsm8k", "--max-new-tokens", "64", "--repeats", "2", "--threads", "1"]
-    args = parse_args([*defaults, *(sys.argv[1:] if argv is None else argv), "--dtype", "bfloat16"])
-    torch.set_num_threads(args.threads)
-    model, tok = load_target(TargetConfig(name_or_path=args.target, dtype="bfloat16"))
-    prompts, eos = load_prompts(args, tok), eos_ids(tok, model)
-    decs = decoders(args, model, eos)
-    for name, fn in {old: variant, **(more or {})}.items():
-        decs[name] = fn(decoders(args, model, eos)[base])
-    print(decoding_table(interleave({"bfloat16": decs}, args, prompts), args.temperature))
 
 
 def main(argv: list[str] | None = None) -> None:
