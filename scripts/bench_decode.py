@@ -133,27 +133,31 @@ class HFGreedy:
 
 
 def decoders(args, model, eos: list[int]) -> dict[str, SpeculativeDecoder]:
-    """One decoder per method, all on `model`; the drafter in the model's dtype, or one decoder per
-    --drafter-dtype (labelled "<method> d:<dtype>") where several are given or one differs."""
+    """One decoder per method, all on `model`: the methods without a drafter once, the others with the
+    drafter in the model's dtype, or once per --drafter-dtype (labelled "<method> d:<dtype>") where several
+    are given or one differs."""
     made, layers = make_drafter(args.drafter, model, args.draft_vocab)
+    plain = [m for m in args.methods if m == HF_GREEDY or parse_method(m.partition("@")[0])[0] in DRAFTERLESS]
+    out = method_decoders(args, model, eos, plain, None, layers)
     kinds = args.drafter_dtype or [None]
-    out = {}
-    for i, kind in enumerate(kinds):
+    for kind in kinds:
         dtype = model.dtype if kind is None else DTYPES[kind]
         drafter = None if made is None else copy.deepcopy(made).to(device=model.device, dtype=dtype)
         suffix = "" if kind is None or (len(kinds) == 1 and dtype == model.dtype) else f" d:{kind}"
-        for name, dec in method_decoders(args, model, eos, drafter, layers).items():
-            if dec.cfg.mode not in DRAFTERLESS:
-                out[name + suffix] = dec
-            elif i == 0:  # no drafter: once
-                out[name] = dec
+        drafted = [m for m in args.methods if m not in plain]
+        out.update(
+            (m + suffix, dec)
+            for m, dec in method_decoders(args, model, eos, drafted, drafter, layers).items()
+        )
     return out
 
 
-def method_decoders(args, model, eos: list[int], drafter, layers) -> dict[str, SpeculativeDecoder]:
-    """One decoder per method of args.methods, with this drafter."""
+def method_decoders(
+    args, model, eos: list[int], methods: list[str], drafter, layers
+) -> dict[str, SpeculativeDecoder]:
+    """One decoder per method of `methods`, with this drafter."""
     out = {}
-    for method in args.methods:
+    for method in methods:
         if method == HF_GREEDY:
             out[method] = HFGreedy(model, args.max_new_tokens, eos)
             continue
