@@ -323,9 +323,13 @@ def generate(setup: Setup, cfg: EvalConfig) -> Decoded:
                 tokens = [g.tokens for g in gens]
                 if label == AUTOREGRESSIVE:
                     reference = tokens
-                elif is_autoregressive(label):  # another precision: a timing reference, not a method
-                    pass
-                elif cfg.temperature == 0 and reference is not None and tokens != reference:
+                # plain decoding in another precision is a timing reference, not a method to compare
+                elif (
+                    cfg.temperature == 0
+                    and reference is not None
+                    and not is_autoregressive(label)
+                    and tokens != reference
+                ):
                     mismatches[label] = mismatches.get(label, 0) + 1
                     gaps.setdefault(label, []).append(
                         first_gap(model, prompt, reference, tokens, tokenizer, cfg)

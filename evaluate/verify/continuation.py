@@ -136,7 +136,7 @@ class Coupling:
                 joint[r] = t
             if j == len(self.stages):
                 if stacked:
-                    rows_at = [(joint[r], lam[r], token[r]) for r in stacked]
+                    rows_at = [(joint[r], lam[r], token[r], mass[r]) for r in stacked]
                     self._final_laws([ys[r] for r in stacked], q, p, rows_at)
                 return
             st, todo = self.stages[j], []
@@ -166,16 +166,16 @@ class Coupling:
 
     def _final_laws(self, ys: list[Prefix], q: torch.Tensor, p: torch.Tensor, rows: list[tuple]) -> None:
         """The normalised laws (q - lam p)_+ / S(lam) after every stage of the stacked rows ys (q, p [R, V];
-        rows: (joint, lam, token) of each) that have one, in one pass over [R, V] instead of one per row as
-        RGBVContinuation asks for them; the arithmetic of `residual_masses`, so S(lam) is their sum."""
-        keep = [i for i, (t, lam, token) in enumerate(rows) if t > 0.0 and token is None and lam != 0.0]
+        rows: (joint, lam, token, S(lam)) of each) that have one, in one pass over [R, V] instead of one per
+        row as RGBVContinuation asks for them; the arithmetic of `residual_masses`, so S(lam) is their sum."""
+        keep = [i for i, (t, lam, token, _) in enumerate(rows) if t > 0.0 and token is None and lam != 0.0]
         if not keep:
             return
         if len(keep) < len(ys):
             idx = torch.tensor(keep, device=q.device)
             q, p = q.index_select(0, idx), p.index_select(0, idx)
         lams = torch.tensor([rows[i][1] for i in keep], dtype=q.dtype, device=q.device).unsqueeze(1)
-        masses = [self.rows.mass(ys[i], rows[i][1]) for i in keep]
+        masses = [rows[i][3] for i in keep]
         law = torch.addcmul(q, p, lams, value=-1.0).clamp_(min=0)
         law.div_(torch.tensor(masses, dtype=q.dtype, device=q.device).unsqueeze(1))
         for n, i in enumerate(keep):
