@@ -15,23 +15,27 @@ from specblock.evaluate.verify.continuation import RGBVContinuation, Stage, row_
 from tiny_decoding import PROMPT, drafters, tiny_target
 
 
-def test_continuation_rows_are_normalised_by_the_coupling_mass_bit_for_bit():
-    """The row after a stage is (q - lam p)_+ divided by S(lam), the mass the coupling already summed:
-    bitwise the same float32 row as dividing by its own sum (the old, one pass longer computation)."""
-    gen = torch.Generator().manual_seed(0)
-    V, n = 4096, 3
-    laws = {}
+def random_lookups(seed: int, V: int = 4096):
+    """(target_at, draft_at): a random float32 law per prefix (as in the loop), made on first ask and kept."""
+    gen, laws = torch.Generator().manual_seed(seed), {}
 
     def law_at(kind):
         def at(y):
             key = (kind, tuple(y))
             if key not in laws:
-                laws[key] = torch.softmax(3 * torch.randn(V, generator=gen), -1)  # float32, as in the loop
+                laws[key] = torch.softmax(3 * torch.randn(V, generator=gen), -1)
             return laws[key]
 
         return at
 
-    target_at, draft_at = law_at("q"), law_at("p")
+    return law_at("q"), law_at("p")
+
+
+def test_continuation_rows_are_normalised_by_the_coupling_mass_bit_for_bit():
+    """The row after a stage is (q - lam p)_+ divided by S(lam), the mass the coupling already summed:
+    bitwise the same float32 row as dividing by its own sum (the old, one pass longer computation)."""
+    n = 3
+    target_at, draft_at = random_lookups(seed=0)
     stages = (Stage((1, 2, 0), 0), Stage((5, 0, 3), 0), Stage((7, 7, 7), 0))  # nothing committed
     cont = RGBVContinuation(stages, n)
     checked, y, alive = 0, (), []
@@ -51,19 +55,8 @@ def test_continuation_rows_are_normalised_by_the_coupling_mass_bit_for_bit():
 def test_prepared_rows_equal_the_rows_asked_one_by_one():
     """`prepare` (what the loop calls before a verification reads a level's rows) computes the rows' laws
     after every stage in one batch over [rows, V]: the same laws as asked one by one, normalised."""
-    gen = torch.Generator().manual_seed(1)
-    V, n, laws = 4096, 3, {}
-
-    def law_at(kind):
-        def at(y):
-            key = (kind, tuple(y))
-            if key not in laws:
-                laws[key] = torch.softmax(3 * torch.randn(V, generator=gen), -1)
-            return laws[key]
-
-        return at
-
-    target_at, draft_at = law_at("q"), law_at("p")
+    n = 3
+    target_at, draft_at = random_lookups(seed=1)
     stages = (Stage((1, 2, 0), 1), Stage((1, 0, 3), 0), Stage((7, 7, 7), 0))  # token 1 committed first
     one_by_one, batched = RGBVContinuation(stages, n), RGBVContinuation(stages, n)
     # live prefixes (the committed token 1, then tokens the law after it keeps), a dead one, the horizon
