@@ -54,10 +54,13 @@ class TargetConfig:
     # identity: kernels differ only in rounding. On a 2-core AVX512-BF16 CPU "eager" decodes batches of 32-64
     # in bf16 1.4x faster than "sdpa" (scripts/bench_data.py --attn eager).
     attn_implementation: str | None = None
+    # set when dtype was "auto" (resolved here by the flags): the evaluation then measures which precision
+    # decodes fastest on this machine (evaluate/precision.py); not meant to be set by hand
+    dtype_auto: bool = False
 
     def __post_init__(self):
         if self.dtype == AUTO_DTYPE:
-            self.dtype = auto_dtype(self.device)
+            self.dtype, self.dtype_auto = auto_dtype(self.device), True
         if self.dtype not in DTYPES:
             raise ValueError(f"target.dtype={self.dtype!r} is not one of {sorted(DTYPES)} or {AUTO_DTYPE!r}")
         if self.feature_layers is not None:

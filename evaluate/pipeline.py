@@ -6,7 +6,7 @@
    `python -m specblock.train` process (one accelerate state per run);
 2. evaluation on GSM8K, HumanEval, MGSM, LM1B and Alpaca (small limits): at temperature 0 the two
    dynamic trees, standard speculative decoding and prompt lookup (no drafter) against autoregressive
-   decoding (tokens per target call, drafting cost, speedup), in bf16 where the machine has bf16 units,
+   decoding (tokens per target call, drafting cost, speedup), in the precision that decodes fastest here,
    with draft sizes chosen from measured costs (`stage_overrides`); at temperature > 0 every verifier on
    the SpecBlock drafter's drafts, and prompt lookup, in float32;
 3. the results tables, printed and written to checkpoints/run/.
@@ -126,10 +126,10 @@ SAMPLED_METHODS = (
 def stage_overrides(args: argparse.Namespace, exports: dict[str, Path]) -> tuple[list[str], list[str]]:
     """The two evaluation stages' overrides of configs/eval.yaml.
 
-    greedy (T = 0): the speed table, in the precision one deploys in (`--dtype`, default auto: bf16 where
-    the CPU or GPU has bf16 units) with the machine choosing each tree's size and each chain's length
-    from measured costs (budget=auto, draft_length=auto; evaluate/decoding/budget.py); autoregressive
-    decoding runs in the same precision. In bf16 a few generations may differ from bf16 autoregressive
+    greedy (T = 0): the speed table, in the precision one deploys in (`--dtype`, default auto: bf16 on a
+    GPU; on a CPU with bf16 kernels the faster of bf16 and float32, measured: evaluate/precision.py),
+    with the machine choosing each tree's size and each chain's length from measured costs (budget=auto,
+    draft_length=auto; evaluate/decoding/budget.py); autoregressive decoding runs in the same precision. In bf16 a few generations may differ from bf16 autoregressive
     decoding (near-ties between forwards of different shapes); the report counts them.
     sampled (T > 0): every verifier on the SpecBlock drafter's drafts, in float32 (fixed K and L).
     """
@@ -158,7 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--temperature", type=float, default=0.7, help="of the verifier comparison (default 0.7)")
     p.add_argument(
-        "--dtype", default="auto", help="target and drafters at T = 0 (auto: bf16 where supported; float32)"
+        "--dtype",
+        default="auto",
+        help="target and drafters at T = 0 (auto: the faster of bf16 and float32 here, measured)",
     )
     p.add_argument(
         "--fixed-size", dest="auto", action="store_false",

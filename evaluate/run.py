@@ -1,8 +1,8 @@
 """The evaluation stage: speculative decoding with exported drafters on the evaluation sets.
 
-`evaluate(cfg)` loads the target and every drafter (in the target's precision, `target.dtype`),
-generates for every (dataset, prompt, method, drafter) with the same seed per prompt (autoregressive and
-lookup once, without a drafter), sums counts per (dataset, method) and writes `results.jsonl`,
+`evaluate(cfg)` loads the target and every drafter (in the target's precision, `target.dtype`; `auto` on
+a CPU measured first: precision.py), generates for every (dataset, prompt, method, drafter) with the same
+seed per prompt (autoregressive and lookup once, without a drafter), sums counts per (dataset, method) and writes `results.jsonl`,
 `results.md` (datasets x methods) and `acceptance_at.png` under `cfg.output_dir`; sets with categories
 (MT-Bench, Spec-Bench, a custom set's category field) also get `results_by_category.jsonl` and a
 per-category table. A prompt with follow-up turns (mt_bench_turns=2) is decoded turn by turn: each
@@ -35,6 +35,7 @@ from .adapt import Adapter
 from .config import EvalConfig, parse_method
 from .decoding.loop import DRAFTERLESS, DecodeConfig, Generation, SpeculativeDecoder
 from .decoding.trees import AUTO, TreeConfig
+from .precision import PrecisionProbe, measure_precision, needs_probe
 from .reporting.metrics import AUTOREGRESSIVE, BASELINE_SEP, Accumulator, is_autoregressive
 from .reporting.report import (
     category_report,
@@ -150,14 +151,15 @@ def record(acc: Accumulator, dataset: str, label: str, g: Generation) -> None:
 
 class Setup(NamedTuple):
     """What the stage decodes with (`build`): the target model and its tokenizer, the (label, decoder)
-    runs in order (autoregressive first: the reference), the evaluation sets, and the sets that could not
-    be loaded (name -> why)."""
+    runs in order (autoregressive first: the reference), the evaluation sets, the sets that could not
+    be loaded (name -> why) and the precision probe."""
 
     model: Any
     tokenizer: Any
     runs: list[tuple[str, SpeculativeDecoder]]
     sets: list[EvalSet]
     unavailable: dict[str, str]
+    probe: PrecisionProbe | None = None  # how target.dtype=auto was decided, where it was measured
 
 
 class Decoded(NamedTuple):
@@ -175,16 +177,21 @@ def evaluate(cfg: EvalConfig, resolved: dict[str, Any] | None = None) -> list[di
     """Runs the stage (module docstring): build, generate, write; returns the result records."""
     setup = build(cfg)
     decoded = generate(setup, cfg)
-    return write(cfg, decoded, setup.unavailable, resolved)
+    return write(cfg, decoded, setup.unavailable, resolved, setup.probe)
 
 
 def build(cfg: EvalConfig) -> Setup:
-    """The target, one decoder per (method, drafter) and the evaluation sets."""
+    """The target, the evaluation sets and one decoder per (method, drafter); with target.dtype=auto on a
+    CPU, first the precision that decodes the first prompt fastest (evaluate/precision.py)."""
     Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
     ensure_embedded_target(cfg.target.name_or_path)
     model, tokenizer = load_target(cfg.target)
-    runs = decoders(cfg, model, eos_ids(tokenizer, model))
-    return Setup(model, tokenizer, runs, *load_sets(cfg))
+    sets, unavailable = load_sets(cfg)
+    eos, probe = eos_ids(tokenizer, model), None
+    first = next((s.prompts[0] for s in sets if s.prompts), None)
+    if needs_probe(cfg) and first is not None:
+        model, probe = measure_precision(cfg, model, tokenizer, first, decoders, eos)
+    return Setup(model, tokenizer, decoders(cfg, model, eos), sets, unavailable, probe)
 
 
 def decoders(cfg: EvalConfig, model, eos: list[int]) -> list[tuple[str, SpeculativeDecoder]]:
@@ -233,16 +240,24 @@ def load_sets(cfg: EvalConfig) -> tuple[list[EvalSet], dict[str, str]]:
 
 
 def write(
-    cfg: EvalConfig, decoded: Decoded, unavailable: dict[str, str], resolved: dict[str, Any] | None
+    cfg: EvalConfig,
+    decoded: Decoded,
+    unavailable: dict[str, str],
+    resolved: dict[str, Any] | None,
+    probe: PrecisionProbe | None = None,
 ) -> list[dict[str, Any]]:
     """results.jsonl, results.md (+ the per-category files), acceptance_at.png, the resolved config and
     W&B; returns the records."""
     out_dir = Path(cfg.output_dir)
-    rows = records(decoded.acc, record_fields(cfg))
+    fields = record_fields(cfg)
+    if probe is not None:  # each precision's ms per token in the probe
+        fields["precision_probe"] = {"method": probe.method, "drafter": probe.drafter, **probe.ms_per_token}
+    rows = records(decoded.acc, fields)
     for r in rows:
         r["greedy_mismatches"] = decoded.mismatches.get(r["method"], 0) if r["dataset"] == "overall" else None
     write_jsonl(out_dir / "results.jsonl", rows)
     report = markdown_report(rows) + cost_table(rows) + _mismatch_note(decoded.mismatches, decoded.gaps, cfg)
+    report += probe.note() if probe is not None else ""
     if decoded.by_category.datasets():
         category_rows = records(decoded.by_category, record_fields(cfg))
         write_jsonl(out_dir / "results_by_category.jsonl", category_rows)
