@@ -67,7 +67,7 @@ class TrainerConfig:
     grad_accum: int = 1
     seed: int = 0
     mixed_precision: str = (
-        "auto"  # "auto": bf16 where the device has bf16 matrix units (resolve_mixed_precision)
+        "auto"  # "auto": bf16 where bf16 matrix products are faster (resolve_mixed_precision)
     )
     save_every: int = 500  # steps; 0: only at the end
     keep_last: int = 3  # complete checkpoints kept; 0: all

@@ -1,0 +1,86 @@
+"""Whether bf16 matrix products pay on this CPU: measured once per machine, not read from its flags.
+
+The flags (`target.BF16_CPU_FLAGS`) say that a CPU HAS native bf16 kernels, not that they are faster than
+its float32 ones. On the AMD EPYC of earlier sessions bf16 autocast ran the drafters' training step 1.4-2x
+faster; on the Intel Xeon of sessions 11-13 (AVX512-BF16, no AMX) a [1024 x 576] @ [576 x 1536] product took
+32 ms in bf16 against 24 in float32, and the SpecBlock step ran 1.6x SLOWER under autocast (8.2 against
+5.0 s, `scripts/bench_train.py` with and without `--autocast`). `trainer.mixed_precision=auto` therefore
+asks `bf16_matmul_pays`: on a CPU with the flags, PROBE_SHAPE multiplied in both precisions (ROUNDS
+rounds alternating, medians), bf16 when it is faster. The answer is kept per (CPU model, torch version,
+threads) in `cache_dir()/bf16_matmul.json` under a file lock, so that every rank of a launch, and every
+later run on the machine, takes the same decision without measuring again.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from filelock import FileLock
+
+from .io import atomic_path
+from .target import auto_dtype, cpu_flags
+
+PROBE_SHAPE = (1024, 576, 1536)  # rows x hidden x MLP width: a SmolLM2-sized layer's product
+ROUNDS = 5
+CACHE_ENV = "SPECBLOCK_CACHE"  # where measured machine facts are kept (default ~/.cache/specblock)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "specblock")
+
+
+def cpu_model(path: str = "/proc/cpuinfo") -> str:
+    """The CPU's model name (Linux /proc/cpuinfo), "unknown" where it cannot be read."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError:
+        return "unknown"
+    return next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "unknown")
+
+
+def matmul_ms(rounds: int = ROUNDS, shape: tuple[int, int, int] = PROBE_SHAPE) -> dict[str, float]:
+    """Median ms of one [m, k] @ [k, n] product in float32 and in bf16, the precisions alternating round by
+    round (a load spike hits both), after one warm-up each."""
+    m, k, n = shape
+    gen = torch.Generator().manual_seed(0)
+    pairs = {
+        name: (torch.randn(m, k, generator=gen).to(dtype), torch.randn(k, n, generator=gen).to(dtype))
+        for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16))
+    }
+    times: dict[str, list[float]] = {name: [] for name in pairs}
+    for name, (a, b) in pairs.items():
+        a @ b
+    for _ in range(rounds):
+        for name, (a, b) in pairs.items():
+            start = time.perf_counter()
+            a @ b
+            times[name].append((time.perf_counter() - start) * 1e3)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+@functools.cache
+def bf16_matmul_pays() -> bool:
+    """Whether bf16 matrix products are faster than float32 ones on this CPU (module docstring): False
+    without native bf16 kernels, else measured once per machine and kept."""
+    if auto_dtype("cpu", cpu_flags()) != "bfloat16":
+        return False
+    key = f"{cpu_model()} | torch {torch.__version__} | {torch.get_num_threads()} threads"
+    path = cache_dir() / "bf16_matmul.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path) + ".lock"):
+        try:
+            known = json.loads(path.read_text()) if path.exists() else {}
+        except json.JSONDecodeError:  # a damaged file: measured again and rewritten
+            known = {}
+        if key not in known:
+            known[key] = matmul_ms()
+            with atomic_path(path) as tmp:
+                tmp.write_text(json.dumps(known, indent=2, sort_keys=True))
+    ms = known[key]
+    return ms["bfloat16"] < ms["float32"]

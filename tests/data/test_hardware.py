@@ -1,0 +1,60 @@
+"""bf16 autocast where bf16 matrix products are measured faster (data/hardware.py), kept per machine."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specblock.data import hardware
+from specblock.train.accel import resolve_mixed_precision
+
+
+@pytest.fixture
+def fresh(tmp_path, monkeypatch):
+    """A private cache folder and no decision remembered from an earlier call in this process."""
+    monkeypatch.setenv(hardware.CACHE_ENV, str(tmp_path))
+    hardware.bf16_matmul_pays.cache_clear()
+    yield tmp_path
+    hardware.bf16_matmul_pays.cache_clear()
+
+
+def fake_times(monkeypatch, ms: dict[str, float]) -> list[int]:
+    calls = []
+    monkeypatch.setattr(hardware, "matmul_ms", lambda: calls.append(1) or dict(ms))
+    return calls
+
+
+def test_the_measured_faster_precision_decides_and_is_kept_for_the_machine(fresh, monkeypatch):
+    monkeypatch.setattr(hardware, "auto_dtype", lambda device, flags: "bfloat16")  # the flags allow bf16
+    calls = fake_times(monkeypatch, {"float32": 24.0, "bfloat16": 32.0})  # this Xeon's numbers
+    assert not hardware.bf16_matmul_pays() and calls == [1]
+    assert resolve_mixed_precision("auto") == "no"
+    kept = json.loads((fresh / "bf16_matmul.json").read_text())
+    assert list(kept.values()) == [{"float32": 24.0, "bfloat16": 32.0}]
+    assert hardware.cpu_model() in next(iter(kept))
+
+    hardware.bf16_matmul_pays.cache_clear()  # a new process (another rank, a later run) on the machine
+    calls = fake_times(monkeypatch, {"float32": 24.0, "bfloat16": 8.0})
+    assert not hardware.bf16_matmul_pays() and calls == []  # read back, not measured again
+
+    (fresh / "bf16_matmul.json").write_text("{not json")  # damaged: measured again
+    hardware.bf16_matmul_pays.cache_clear()
+    assert hardware.bf16_matmul_pays() and calls == [1]
+    assert resolve_mixed_precision("auto") == "bf16" and resolve_mixed_precision("no") == "no"
+
+
+def test_without_bf16_kernels_nothing_is_measured(fresh, monkeypatch):
+    monkeypatch.setattr(hardware, "auto_dtype", lambda device, flags: "float32")
+    calls = fake_times(monkeypatch, {"float32": 24.0, "bfloat16": 1.0})
+    assert not hardware.bf16_matmul_pays() and calls == []
+    assert not (fresh / "bf16_matmul.json").exists()
+
+
+def test_the_probe_times_both_precisions(tmp_path):
+    ms = hardware.matmul_ms(rounds=1, shape=(8, 16, 8))
+    assert set(ms) == {"float32", "bfloat16"} and all(v > 0 for v in ms.values())
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: Some CPU @ 2.0GHz\nflags\t\t: fpu\n")
+    assert hardware.cpu_model(str(info)) == "Some CPU @ 2.0GHz"
+    assert hardware.cpu_model(str(tmp_path / "missing")) == "unknown"
