@@ -1,11 +1,11 @@
 """Whether bf16 matrix products pay on this CPU: measured once per machine, not read from its flags.
 
-The flags (`target.BF16_CPU_FLAGS`) say that a CPU HAS native bf16 kernels, not that they are faster than
+The flags (BF16_CPU_FLAGS) say that a CPU HAS native bf16 kernels, not that they are faster than
 its float32 ones. On the AMD EPYC of earlier sessions bf16 autocast ran the drafters' training step 1.4-2x
 faster; on the Intel Xeon of sessions 11-13 (AVX512-BF16, no AMX) a [1024 x 576] @ [576 x 1536] product took
 32 ms in bf16 against 24 in float32, and the SpecBlock step ran 1.6x SLOWER under autocast (8.2 against
 5.0 s, `scripts/bench_train.py` with and without `--autocast`). `trainer.mixed_precision=auto` therefore
-asks `bf16_matmul_pays`: on a CPU with the flags, PROBE_SHAPE multiplied in both precisions (ROUNDS
+and `target.dtype=auto` (target.auto_dtype) ask `bf16_matmul_pays`: on a CPU with the flags, PROBE_SHAPE multiplied in both precisions (ROUNDS
 rounds alternating, medians), bf16 when it is faster. The answer is kept per (CPU model, torch version,
 threads) in `cache_dir()/bf16_matmul.json` under a file lock, so that every rank of a launch, and every
 later run on the machine, takes the same decision without measuring again.
@@ -24,8 +24,10 @@ import torch
 from filelock import FileLock
 
 from .io import atomic_path
-from .target import auto_dtype, cpu_flags
 
+# CPU flags of native bf16 matrix kernels (oneDNN runs bf16 linear layers on them); without them bf16 is
+# emulated through float32 and slower than float32 itself.
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 PROBE_SHAPE = (1024, 576, 1536)  # rows x hidden x MLP width: a SmolLM2-sized layer's product
 ROUNDS = 5
 CACHE_ENV = "SPECBLOCK_CACHE"  # where measured machine facts are kept (default ~/.cache/specblock)
@@ -33,6 +35,20 @@ CACHE_ENV = "SPECBLOCK_CACHE"  # where measured machine facts are kept (default 
 
 def cache_dir() -> Path:
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "specblock")
+
+
+def cpu_flags(path: str = "/proc/cpuinfo") -> set[str]:
+    """The CPU's feature flags (Linux /proc/cpuinfo); empty where that file does not exist."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError:
+        return set()
+    return next((set(ln.split(":", 1)[1].split()) for ln in lines if ln.startswith("flags")), set())
+
+
+def has_bf16_kernels(flags: set[str] | None = None) -> bool:
+    """Whether the CPU (or `flags`) has native bf16 matrix kernels (BF16_CPU_FLAGS)."""
+    return any(f in (cpu_flags() if flags is None else flags) for f in BF16_CPU_FLAGS)
 
 
 def cpu_model(path: str = "/proc/cpuinfo") -> str:
@@ -68,7 +84,7 @@ def matmul_ms(rounds: int = ROUNDS, shape: tuple[int, int, int] = PROBE_SHAPE) -
 def bf16_matmul_pays() -> bool:
     """Whether bf16 matrix products are faster than float32 ones on this CPU (module docstring): False
     without native bf16 kernels, else measured once per machine and kept."""
-    if auto_dtype("cpu", cpu_flags()) != "bfloat16":
+    if not has_bf16_kernels():
         return False
     key = f"{cpu_model()} | torch {torch.__version__} | {torch.get_num_threads()} threads"
     path = cache_dir() / "bf16_matmul.json"

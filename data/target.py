@@ -21,14 +21,12 @@ from gguf import GGUFReader
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from .errors import BadInputError
+from .hardware import bf16_matmul_pays
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-AUTO_DTYPE = "auto"  # target.dtype=auto: the precision one deploys in on this device (auto_dtype)
-# CPU flags of native bf16 matrix kernels (oneDNN runs bf16 linear layers on them); without them bf16 is
-# emulated through float32 and slower than float32 itself.
-BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+AUTO_DTYPE = "auto"  # target.dtype=auto: the faster precision on this device (auto_dtype)
 
 DEFAULT_TARGET_DIR = "checkpoints/targets/SmolLM2-135M-Instruct"
 # The debug experiment's target: a random 8-layer Llama over SmolLM2's tokenizer (made in seconds, offline;
@@ -77,22 +75,14 @@ class TargetConfig:
         return self.name_or_path + (f"::{self.gguf_file}" if self.gguf_file else "")
 
 
-def cpu_flags(path: str = "/proc/cpuinfo") -> set[str]:
-    """The CPU's feature flags (Linux /proc/cpuinfo); empty where that file does not exist."""
-    try:
-        lines = Path(path).read_text().splitlines()
-    except OSError:
-        return set()
-    return next((set(ln.split(":", 1)[1].split()) for ln in lines if ln.startswith("flags")), set())
-
-
-def auto_dtype(device: str, flags: set[str] | None = None) -> str:
-    """The deployment precision on `device`: bfloat16 on a CUDA device that supports it or on a CPU with
-    native bf16 kernels (BF16_CPU_FLAGS; `flags` default: this CPU's), else float32."""
+def auto_dtype(device: str) -> str:
+    """target.dtype=auto: bfloat16 on a CUDA device that supports it, and on a CPU whose bf16 matrix products
+    are measured faster than float32 ones (hardware.bf16_matmul_pays; the flags alone picked bf16 on an Intel
+    Xeon where it is the slower precision); else float32. The evaluation measures its own decoding on top
+    (evaluate/precision.py)."""
     if device.startswith("cuda"):
         return "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
-    flags = cpu_flags() if flags is None else flags
-    return "bfloat16" if any(f in flags for f in BF16_CPU_FLAGS) else "float32"
+    return "bfloat16" if bf16_matmul_pays() else "float32"
 
 
 def eos_ids(tokenizer, model) -> list[int]:

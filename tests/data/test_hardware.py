@@ -7,6 +7,7 @@ import json
 import pytest
 
 from specblock.data import hardware
+from specblock.data.target import TargetConfig, auto_dtype
 from specblock.train.accel import resolve_mixed_precision
 
 
@@ -26,10 +27,10 @@ def fake_times(monkeypatch, ms: dict[str, float]) -> list[int]:
 
 
 def test_the_measured_faster_precision_decides_and_is_kept_for_the_machine(fresh, monkeypatch):
-    monkeypatch.setattr(hardware, "auto_dtype", lambda device, flags: "bfloat16")  # the flags allow bf16
+    monkeypatch.setattr(hardware, "has_bf16_kernels", lambda: True)  # the flags allow bf16
     calls = fake_times(monkeypatch, {"float32": 24.0, "bfloat16": 32.0})  # this Xeon's numbers
     assert not hardware.bf16_matmul_pays() and calls == [1]
-    assert resolve_mixed_precision("auto") == "no"
+    assert resolve_mixed_precision("auto") == "no" and auto_dtype("cpu") == "float32"
     kept = json.loads((fresh / "bf16_matmul.json").read_text())
     assert list(kept.values()) == [{"float32": 24.0, "bfloat16": 32.0}]
     assert hardware.cpu_model() in next(iter(kept))
@@ -42,19 +43,26 @@ def test_the_measured_faster_precision_decides_and_is_kept_for_the_machine(fresh
     hardware.bf16_matmul_pays.cache_clear()
     assert hardware.bf16_matmul_pays() and calls == [1]
     assert resolve_mixed_precision("auto") == "bf16" and resolve_mixed_precision("no") == "no"
+    assert auto_dtype("cpu") == "bfloat16" and TargetConfig(dtype="auto").dtype == "bfloat16"
 
 
 def test_without_bf16_kernels_nothing_is_measured(fresh, monkeypatch):
-    monkeypatch.setattr(hardware, "auto_dtype", lambda device, flags: "float32")
+    monkeypatch.setattr(hardware, "has_bf16_kernels", lambda: False)
     calls = fake_times(monkeypatch, {"float32": 24.0, "bfloat16": 1.0})
     assert not hardware.bf16_matmul_pays() and calls == []
     assert not (fresh / "bf16_matmul.json").exists()
 
 
 def test_the_probe_times_both_precisions(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text(
+        "processor : 0\nmodel name\t: Some CPU @ 2.0GHz\nflags\t\t: fpu sse avx2 avx512f avx512_bf16\n"
+    )
+    assert hardware.cpu_flags(str(info)) == {"fpu", "sse", "avx2", "avx512f", "avx512_bf16"}
+    assert hardware.cpu_flags(str(tmp_path / "missing")) == set()
+    assert hardware.has_bf16_kernels({"avx512f", "avx512_bf16"}) and hardware.has_bf16_kernels({"amx_bf16"})
+    assert not hardware.has_bf16_kernels({"avx2", "avx512f"})
+    assert hardware.cpu_model(str(info)) == "Some CPU @ 2.0GHz"
     ms = hardware.matmul_ms(rounds=1, shape=(8, 16, 8))
     assert set(ms) == {"float32", "bfloat16"} and all(v > 0 for v in ms.values())
-    info = tmp_path / "cpuinfo"
-    info.write_text("processor\t: 0\nmodel name\t: Some CPU @ 2.0GHz\nflags\t\t: fpu\n")
-    assert hardware.cpu_model(str(info)) == "Some CPU @ 2.0GHz"
     assert hardware.cpu_model(str(tmp_path / "missing")) == "unknown"

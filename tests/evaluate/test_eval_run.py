@@ -297,16 +297,13 @@ def test_greedy_mismatches_are_counted_per_method_and_explained(tmp_path, monkey
         replace(cfg, baseline_dtypes=["float64"])
 
 
-def test_auto_dtype_picks_bf16_only_where_the_device_has_native_kernels(tmp_path):
-    from specblock.data.target import auto_dtype, cpu_flags
+def test_auto_dtype_is_bf16_only_where_bf16_products_are_measured_faster(monkeypatch):
+    from specblock.data import target
 
-    info = tmp_path / "cpuinfo"
-    info.write_text("processor : 0\nflags\t\t: fpu sse avx2 avx512f avx512_bf16\n")
-    assert cpu_flags(str(info)) == {"fpu", "sse", "avx2", "avx512f", "avx512_bf16"}
-    assert cpu_flags(str(tmp_path / "missing")) == set()
-    assert auto_dtype("cpu", {"avx512f", "avx512_bf16"}) == "bfloat16"
-    assert auto_dtype("cpu", {"amx_bf16"}) == "bfloat16"
-    assert auto_dtype("cpu", {"avx2", "avx512f"}) == "float32"
+    monkeypatch.setattr(target, "bf16_matmul_pays", lambda: True)  # (tests/data/test_hardware.py)
+    assert target.auto_dtype("cpu") == "bfloat16"
+    monkeypatch.setattr(target, "bf16_matmul_pays", lambda: False)
+    assert target.auto_dtype("cpu") == "float32"
     assert TargetConfig(dtype="auto").dtype in ("bfloat16", "float32")
     with pytest.raises(ValueError, match="auto"):
         TargetConfig(dtype="float64")
