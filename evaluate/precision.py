@@ -25,7 +25,7 @@ from dataclasses import replace
 from typing import Any, Callable, NamedTuple
 
 from specblock.data.evalsets import EvalPrompt, turn_ids
-from specblock.data.target import DTYPES
+from specblock.data.target import DTYPES, TargetConfig
 
 from .config import EvalConfig, parse_method
 from .decoding.loop import DRAFTERLESS, SpeculativeDecoder
@@ -79,6 +79,24 @@ def choose_precision(
             times[d].append(seconds_per_token(d) * 1e3)
     ms = {d: statistics.median(t) for d, t in times.items()}
     return min(candidates, key=lambda d: ms[d]), ms
+
+
+def precision_note(target: TargetConfig, probe: PrecisionProbe | None) -> str:
+    """The report's line on how target.dtype=auto was decided ("" for an explicit dtype)."""
+    if probe is not None:
+        return probe.note()
+    if not target.dtype_auto:
+        return ""
+    bf16 = target.dtype == "bfloat16"
+    if target.device.startswith("cuda"):
+        why = "this GPU supports bf16" if bf16 else "this GPU does not support bf16"
+    elif bf16:
+        why = (
+            "bf16 matrix products are faster on this CPU (data/hardware.py); no prompt to probe decoding with"
+        )
+    else:
+        why = "bf16 matrix products are not faster than float32 ones on this CPU (data/hardware.py)"
+    return f"\nPrecision (target.dtype=auto): {target.dtype}: {why}.\n"
 
 
 def needs_probe(cfg: EvalConfig) -> bool:

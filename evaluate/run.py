@@ -35,7 +35,7 @@ from .adapt import Adapter
 from .config import EvalConfig, parse_method
 from .decoding.loop import DRAFTERLESS, DecodeConfig, Generation, SpeculativeDecoder
 from .decoding.trees import AUTO, TreeConfig
-from .precision import PrecisionProbe, measure_precision, needs_probe
+from .precision import PrecisionProbe, measure_precision, needs_probe, precision_note
 from .reporting.metrics import AUTOREGRESSIVE, BASELINE_SEP, Accumulator, is_autoregressive
 from .reporting.report import (
     category_report,
@@ -257,7 +257,7 @@ def write(
         r["greedy_mismatches"] = decoded.mismatches.get(r["method"], 0) if r["dataset"] == "overall" else None
     write_jsonl(out_dir / "results.jsonl", rows)
     report = markdown_report(rows) + cost_table(rows) + _mismatch_note(decoded.mismatches, decoded.gaps, cfg)
-    report += probe.note() if probe is not None else ""
+    report += precision_note(cfg.target, probe)
     if decoded.by_category.datasets():
         category_rows = records(decoded.by_category, record_fields(cfg))
         write_jsonl(out_dir / "results_by_category.jsonl", category_rows)

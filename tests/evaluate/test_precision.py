@@ -79,3 +79,16 @@ def test_the_evaluation_decodes_in_the_precision_the_probe_measured_faster(tmp_p
         f"Precision (target.dtype=auto): {faster}, measured here"
         in (tmp_path / "eval2" / "results.md").read_text()
     )
+
+
+def test_the_report_says_how_auto_was_decided_without_a_probe():
+    from specblock.evaluate.precision import PrecisionProbe, precision_note
+
+    cpu32 = TargetConfig(dtype="float32", dtype_auto=True)
+    assert "float32: bf16 matrix products are not faster" in precision_note(cpu32, None)
+    gpu16 = TargetConfig(dtype="bfloat16", device="cuda", dtype_auto=True)
+    assert "bfloat16: this GPU supports bf16" in precision_note(gpu16, None)
+    assert precision_note(TargetConfig(dtype="float32"), None) == ""  # explicit: nothing to say
+    probe = PrecisionProbe("float32", "tree", "specblock", {"bfloat16": 83.1, "float32": 70.4})
+    assert "specblock:tree decoded the first prompt" in precision_note(cpu32, probe)
+    assert "bfloat16 83.1, float32 70.4" in precision_note(cpu32, probe)
