@@ -1,14 +1,15 @@
 """Whether bf16 matrix products pay on this CPU: measured once per machine, not read from its flags.
 
-The flags (BF16_CPU_FLAGS) say that a CPU HAS native bf16 kernels, not that they are faster than
-its float32 ones. On the AMD EPYC of earlier sessions bf16 autocast ran the drafters' training step 1.4-2x
-faster; on the Intel Xeon of sessions 11-13 (AVX512-BF16, no AMX) a [1024 x 576] @ [576 x 1536] product took
-32 ms in bf16 against 24 in float32, and the SpecBlock step ran 1.6x SLOWER under autocast (8.2 against
-5.0 s, `scripts/bench_train.py` with and without `--autocast`). `trainer.mixed_precision=auto` therefore
-and `target.dtype=auto` (target.auto_dtype) ask `bf16_matmul_pays`: on a CPU with the flags, PROBE_SHAPE multiplied in both precisions (ROUNDS
-rounds alternating, medians), bf16 when it is faster. The answer is kept per (CPU model, torch version,
-threads) in `cache_dir()/bf16_matmul.json` under a file lock, so that every rank of a launch, and every
-later run on the machine, takes the same decision without measuring again.
+The flags (BF16_CPU_FLAGS) say that a CPU HAS native bf16 kernels, not that they are faster than its
+float32 ones. On the AMD EPYC of earlier sessions bf16 autocast ran the drafters' training step 1.4-2x
+faster; on the Intel Xeon of sessions 11-13 (AVX512-BF16, no AMX) a [1024 x 576] @ [576 x 1536] product
+took 21.9 ms in bf16 against 12.0 in float32, and the SpecBlock step ran 1.6x SLOWER under autocast (8.2
+against 5.0 s, `scripts/bench_train.py` with and without `--autocast`). So `trainer.mixed_precision=auto`
+and `target.dtype=auto` (target.auto_dtype) ask `bf16_matmul_pays`: on a CPU with the flags, PROBE_SHAPE
+is multiplied in both precisions (ROUNDS rounds alternating, medians), and bf16 is chosen when it is
+faster. The answer is kept per (CPU model, torch version, threads) in `cache_dir()/bf16_matmul.json` under
+a file lock, so that every rank of a launch, and every later run on the machine, takes the same decision
+without measuring again.
 """
 
 from __future__ import annotations

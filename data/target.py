@@ -52,8 +52,8 @@ class TargetConfig:
     # identity: kernels differ only in rounding. On a 2-core AVX512-BF16 CPU "eager" decodes batches of 32-64
     # in bf16 1.4x faster than "sdpa" (scripts/bench_data.py --attn eager).
     attn_implementation: str | None = None
-    # set when dtype was "auto" (resolved here by the flags): the evaluation then measures which precision
-    # decodes fastest on this machine (evaluate/precision.py); not meant to be set by hand
+    # set when dtype was "auto" (resolved here: auto_dtype): where that gave bf16 on a CPU, the evaluation
+    # then measures which precision decodes faster (evaluate/precision.py); not meant to be set by hand
     dtype_auto: bool = False
 
     def __post_init__(self):

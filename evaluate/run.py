@@ -1,15 +1,15 @@
 """The evaluation stage: speculative decoding with exported drafters on the evaluation sets.
 
-`evaluate(cfg)` loads the target and every drafter (in the target's precision, `target.dtype`; `auto` on
-a CPU measured first: precision.py), generates for every (dataset, prompt, method, drafter) with the same
-seed per prompt (autoregressive and lookup once, without a drafter), sums counts per (dataset, method) and writes `results.jsonl`,
-`results.md` (datasets x methods) and `acceptance_at.png` under `cfg.output_dir`; sets with categories
-(MT-Bench, Spec-Bench, a custom set's category field) also get `results_by_category.jsonl` and a
-per-category table. A prompt with follow-up turns (mt_bench_turns=2) is decoded turn by turn: each
-follow-up is asked after the same decoder's own answer, and every turn counts. At temperature 0
-every scheme must reproduce the target's greedy output; the report counts, per method, generations that
-do not (`greedy_mismatches`: with a bf16 target, near-ties can flip between a tree forward and a
-one-token forward; the report gives the top-2 logit gap where they diverge; in float32 there are none).
+`evaluate(cfg)` loads the target and every drafter (in the target's precision, `target.dtype`; `auto` on a CPU
+measured first: precision.py), generates for every (dataset, prompt, method, drafter) with the same seed per
+prompt (autoregressive and lookup once, without a drafter), sums counts per (dataset, method) and writes
+`results.jsonl`, `results.md` (datasets x methods) and `acceptance_at.png` under `cfg.output_dir`; sets with
+categories (MT-Bench, Spec-Bench, a custom set's category field) also get `results_by_category.jsonl` and a
+per-category table. A prompt with follow-up turns (mt_bench_turns=2) is decoded turn by turn: each follow-up
+is asked after the same decoder's own answer, and every turn counts. At temperature 0 every scheme must
+reproduce the target's greedy output; the report counts, per method, generations that do not
+(`greedy_mismatches`: with a bf16 target, near-ties can flip between a tree forward and a one-token forward;
+the report gives the top-2 logit gap where they diverge; in float32 there are none).
 """
 
 from __future__ import annotations
