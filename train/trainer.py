@@ -365,6 +365,7 @@ def fit(
     log0(
         f"training on {run.accelerator.num_processes} process(es), {run.accelerator.distributed_type.value}, "
         f"mixed precision {run.accelerator.mixed_precision}"
+        + (" (auto: measured, data/hardware.py)" if cfg.mixed_precision == "auto" else "")
     )
     tracker = NullTracker()
     try:
