@@ -9,7 +9,8 @@ and `target.dtype=auto` (target.auto_dtype) ask `bf16_matmul_pays`: on a CPU wit
 is multiplied in both precisions (ROUNDS rounds alternating, medians), and bf16 is chosen when it is
 faster. The answer is kept per (CPU model, torch version, threads) in `cache_dir()/bf16_matmul.json` under
 a file lock, so that every rank of a launch, and every later run on the machine, takes the same decision
-without measuring again.
+without measuring again; delete the file to measure again (a machine whose speed changed under the same CPU
+model name keeps the old answer until then).
 """
 
 from __future__ import annotations
