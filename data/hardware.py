@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import statistics
 import time
@@ -26,6 +27,8 @@ import torch
 from filelock import FileLock
 
 from .io import atomic_path
+
+log = logging.getLogger(__name__)
 
 # CPU flags of native bf16 matrix kernels (oneDNN runs bf16 linear layers on them); without them bf16 is
 # emulated through float32 and slower than float32 itself.
@@ -90,15 +93,19 @@ def bf16_matmul_pays() -> bool:
         return False
     key = f"{cpu_model()} | torch {torch.__version__} | {torch.get_num_threads()} threads"
     path = cache_dir() / "bf16_matmul.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(path) + ".lock"):
-        try:
-            known = json.loads(path.read_text()) if path.exists() else {}
-        except json.JSONDecodeError:  # a damaged file: measured again and rewritten
-            known = {}
-        if key not in known:
-            known[key] = matmul_ms()
-            with atomic_path(path) as tmp:
-                tmp.write_text(json.dumps(known, indent=2, sort_keys=True))
-    ms = known[key]
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(path) + ".lock"):
+            try:
+                known = json.loads(path.read_text()) if path.exists() else {}
+            except json.JSONDecodeError:  # a damaged file: measured again and rewritten
+                known = {}
+            if key not in known:
+                known[key] = matmul_ms()
+                with atomic_path(path) as tmp:
+                    tmp.write_text(json.dumps(known, indent=2, sort_keys=True))
+        ms = known[key]
+    except OSError as err:  # nowhere to keep it (a read-only home): measured for this process only
+        log.warning(f"WARNING: cannot keep the bf16 measurement in {path} ({err}); set {CACHE_ENV}")
+        ms = matmul_ms()
     return ms["bfloat16"] < ms["float32"]

@@ -66,3 +66,14 @@ def test_the_probe_times_both_precisions(tmp_path):
     ms = hardware.matmul_ms(rounds=1, shape=(8, 16, 8))
     assert set(ms) == {"float32", "bfloat16"} and all(v > 0 for v in ms.values())
     assert hardware.cpu_model(str(tmp_path / "missing")) == "unknown"
+
+
+def test_nowhere_to_keep_it_still_decides(fresh, monkeypatch, caplog):
+    """A cache folder that cannot be made (here: a file stands there): measured for this process only."""
+    blocker = fresh / "not_a_folder"
+    blocker.write_text("")
+    monkeypatch.setenv(hardware.CACHE_ENV, str(blocker / "sub"))
+    monkeypatch.setattr(hardware, "has_bf16_kernels", lambda: True)
+    calls = fake_times(monkeypatch, {"float32": 24.0, "bfloat16": 8.0})
+    assert hardware.bf16_matmul_pays() and calls == [1]
+    assert "cannot keep the bf16 measurement" in caplog.text
