@@ -42,13 +42,18 @@ def cache_dir() -> Path:
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "specblock")
 
 
-def cpu_flags(path: str = "/proc/cpuinfo") -> set[str]:
-    """The CPU's feature flags (Linux /proc/cpuinfo); empty where that file does not exist."""
+def cpuinfo_field(name: str, path: str = "/proc/cpuinfo") -> str | None:
+    """The value of the first `name` line of Linux /proc/cpuinfo; None where the file or line is missing."""
     try:
         lines = Path(path).read_text().splitlines()
     except OSError:
-        return set()
-    return next((set(ln.split(":", 1)[1].split()) for ln in lines if ln.startswith("flags")), set())
+        return None
+    return next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith(name)), None)
+
+
+def cpu_flags(path: str = "/proc/cpuinfo") -> set[str]:
+    """The CPU's feature flags; empty where /proc/cpuinfo does not say."""
+    return set((cpuinfo_field("flags", path) or "").split())
 
 
 def has_bf16_kernels(flags: set[str] | None = None) -> bool:
@@ -57,12 +62,8 @@ def has_bf16_kernels(flags: set[str] | None = None) -> bool:
 
 
 def cpu_model(path: str = "/proc/cpuinfo") -> str:
-    """The CPU's model name (Linux /proc/cpuinfo), "unknown" where it cannot be read."""
-    try:
-        lines = Path(path).read_text().splitlines()
-    except OSError:
-        return "unknown"
-    return next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "unknown")
+    """The CPU's model name, "unknown" where /proc/cpuinfo does not say."""
+    return cpuinfo_field("model name", path) or "unknown"
 
 
 def matmul_ms(rounds: int = ROUNDS, shape: tuple[int, int, int] = PROBE_SHAPE) -> dict[str, float]:

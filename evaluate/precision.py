@@ -120,7 +120,8 @@ def measure_precision(
     method, drafter = probe_method(cfg.methods, list(cfg.drafters))
     models = {cfg.target.dtype: model}
     for d in CANDIDATES:
-        models.setdefault(d, copy.deepcopy(model).to(DTYPES[d]))
+        if d not in models:  # (setdefault would copy the model for the loaded precision too)
+            models[d] = copy.deepcopy(model).to(DTYPES[d])
     ids = turn_ids(prompt, [], tokenizer)[-cfg.max_prompt_tokens :]
     decoders = {}
     for d, m in models.items():

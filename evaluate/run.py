@@ -259,7 +259,7 @@ def write(
     report = markdown_report(rows) + cost_table(rows) + _mismatch_note(decoded.mismatches, decoded.gaps, cfg)
     report += precision_note(cfg.target, probe)
     if decoded.by_category.datasets():
-        category_rows = records(decoded.by_category, record_fields(cfg))
+        category_rows = records(decoded.by_category, fields)
         write_jsonl(out_dir / "results_by_category.jsonl", category_rows)
         report += category_report(category_rows)
     if unavailable:

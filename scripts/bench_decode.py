@@ -138,13 +138,13 @@ def decoders(args, model, eos: list[int]) -> dict[str, SpeculativeDecoder]:
     are given or one differs."""
     made, layers = make_drafter(args.drafter, model, args.draft_vocab)
     plain = [m for m in args.methods if m == HF_GREEDY or parse_method(m.partition("@")[0])[0] in DRAFTERLESS]
+    drafted = [m for m in args.methods if m not in plain]
     out = method_decoders(args, model, eos, plain, None, layers)
     kinds = args.drafter_dtype or [None]
     for kind in kinds:
         dtype = model.dtype if kind is None else DTYPES[kind]
         drafter = None if made is None else copy.deepcopy(made).to(device=model.device, dtype=dtype)
         suffix = "" if kind is None or (len(kinds) == 1 and dtype == model.dtype) else f" d:{kind}"
-        drafted = [m for m in args.methods if m not in plain]
         out.update(
             (m + suffix, dec)
             for m, dec in method_decoders(args, model, eos, drafted, drafter, layers).items()

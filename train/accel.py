@@ -11,7 +11,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, GradientAccumulationPlugin, InitProcessGroupKwargs
 
-from specblock.data.hardware import bf16_matmul_pays
+from specblock.data.target import auto_dtype
 
 from .tracking import accelerate_log_with
 
@@ -24,13 +24,11 @@ LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 def resolve_mixed_precision(mode: str) -> str:
     """ "auto": bf16 on a CUDA GPU that supports it; on a CPU, bf16 where its bf16 matrix products are
-    measured faster than float32 ones (data/hardware.py: on the AMD EPYC bf16 autocast ran the drafter
+    measured faster than float32 ones (target.auto_dtype, data/hardware.py: on the AMD EPYC bf16 autocast ran the drafter
     step 1.4-2x faster, on an Intel Xeon with the same flags and no AMX 1.6x slower); else fp32."""
     if mode != "auto":
         return mode
-    if torch.cuda.is_available():
-        return "bf16" if torch.cuda.is_bf16_supported() else "no"
-    return "bf16" if bf16_matmul_pays() else "no"
+    return "bf16" if auto_dtype("cuda" if torch.cuda.is_available() else "cpu") == "bfloat16" else "no"
 
 
 def build_accelerator(cfg: TrainerConfig) -> Accelerator:
