@@ -22,6 +22,7 @@ import os
 import statistics
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 from filelock import FileLock
@@ -86,14 +87,12 @@ def matmul_ms(rounds: int = ROUNDS, shape: tuple[int, int, int] = PROBE_SHAPE) -
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-@functools.cache
-def bf16_matmul_pays() -> bool:
-    """Whether bf16 matrix products are faster than float32 ones on this CPU (module docstring): False
-    without native bf16 kernels, else measured once per machine and kept."""
-    if not has_bf16_kernels():
-        return False
+def measured(filename: str, measure: Callable[[], dict[str, float]]) -> dict[str, float]:
+    """`measure()` for this machine (CPU model, torch version, threads), kept in `cache_dir()/filename`
+    under a file lock and read back by every later process; a damaged file is measured again, and where
+    nothing can be written (a read-only home) it is measured for this process only, with a warning."""
     key = f"{cpu_model()} | torch {torch.__version__} | {torch.get_num_threads()} threads"
-    path = cache_dir() / "bf16_matmul.json"
+    path = cache_dir() / filename
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with FileLock(str(path) + ".lock"):
@@ -102,11 +101,89 @@ def bf16_matmul_pays() -> bool:
             except json.JSONDecodeError:  # a damaged file: measured again and rewritten
                 known = {}
             if key not in known:
-                known[key] = matmul_ms()
+                known[key] = measure()
                 with atomic_path(path) as tmp:
                     tmp.write_text(json.dumps(known, indent=2, sort_keys=True))
-        ms = known[key]
-    except OSError as err:  # nowhere to keep it (a read-only home): measured for this process only
-        log.warning(f"WARNING: cannot keep the bf16 measurement in {path} ({err}); set {CACHE_ENV}")
-        ms = matmul_ms()
+        return known[key]
+    except OSError as err:  # nowhere to keep it: measured for this process only
+        log.warning(f"WARNING: cannot keep the measurement in {path} ({err}); set {CACHE_ENV}")
+        return measure()
+
+
+@functools.cache
+def bf16_matmul_pays() -> bool:
+    """Whether bf16 matrix products are faster than float32 ones on this CPU (module docstring): False
+    without native bf16 kernels, else measured once per machine and kept."""
+    if not has_bf16_kernels():
+        return False
+    ms = measured("bf16_matmul.json", lambda: matmul_ms())
     return ms["bfloat16"] < ms["float32"]
+
+
+# Weight layout of a linear layer in decoding. nn.Linear keeps its weight [out, in] row-major, and
+# F.linear multiplies by its transpose. For the few rows a decoding step feeds (1 token; a tree of 2-32), the
+# Intel MKL of the torch CPU build is up to 2-3x faster when the weight is stored column-major, i.e. when
+# weight.t() is a contiguous [in, out] matrix: on the session-14 Xeon a [4, 576] x [576, 576] product took
+# 0.070 ms row-major against 0.019 column-major, [8, 576] x [576, 1536] 0.156 against 0.128, and the whole
+# SmolLM2-135M forward over 4 tokens after a 300-token cache 111 against 71 ms (1 token: 56 against 51).
+# The same values, another kernel: results differ in the last bits (max |logit difference| 1e-4), so the
+# target and every decoder of one comparison share one layout. Measured per machine, like bf16.
+WEIGHT_LAYOUTS = ("row", "column")
+LAYOUT_ROWS = (1, 4, 8)  # rows of a decoding step's products: one token, small trees
+LAYOUT_SHAPES = ((576, 1536), (1536, 576), (576, 576))  # [in, out] of a SmolLM2-sized layer's linears
+LAYOUT_ROUNDS = 21  # ~2 ms each: the fastest of many, because another job's load only ever adds time
+
+
+def layout_ms(rounds: int = LAYOUT_ROUNDS, rows=LAYOUT_ROWS, shapes=LAYOUT_SHAPES) -> dict[str, float]:
+    """The fastest ms of the small products of one decoding step (every `rows` x every `shapes`, summed),
+    with row-major and with column-major weights, the layouts alternating round by round."""
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(n_out, n_in, generator=gen) for n_in, n_out in shapes]
+    inputs = [(torch.randn(m, w.shape[1], generator=gen), i) for m in rows for i, w in enumerate(weights)]
+    layouts = {"row": weights, "column": [w.t().contiguous().t() for w in weights]}
+
+    def step(ws: list[torch.Tensor]) -> float:
+        start = time.perf_counter()
+        for x, i in inputs:
+            torch.nn.functional.linear(x, ws[i])
+        return (time.perf_counter() - start) * 1e3
+
+    times: dict[str, list[float]] = {name: [] for name in layouts}
+    for ws in layouts.values():
+        step(ws)  # warm-up
+    for _ in range(rounds):
+        for name, ws in layouts.items():
+            times[name].append(step(ws))
+    return {name: min(t) for name, t in times.items()}
+
+
+@functools.cache
+def column_major_pays() -> bool:
+    """Whether a decoding step's small linear products are faster with column-major weights on this CPU
+    (LAYOUT_ROWS x LAYOUT_SHAPES, `layout_ms`), measured once per machine and kept."""
+    ms = measured("linear_layout.json", lambda: layout_ms())
+    return ms["column"] < ms["row"]
+
+
+def auto_layout(device: str) -> str:
+    """`weight_layout=auto`: "column" on a CPU where column_major_pays, else "row" (GPU libraries take
+    either layout at the same speed; nothing to change)."""
+    return "column" if torch.device(device).type == "cpu" and column_major_pays() else "row"
+
+
+def set_weight_layout(module: torch.nn.Module, layout: str) -> int:
+    """Stores every nn.Linear weight of `module` row-major ("row": [out, in] contiguous, as loaded) or
+    column-major ("column": weight.t() contiguous), in place: the same values, shapes and parameters (a
+    tied embedding shares the new storage). Returns the number of weights whose storage changed."""
+    if layout not in WEIGHT_LAYOUTS:
+        raise ValueError(f"weight_layout={layout!r}: expected row or column (or auto)")
+    changed = 0
+    for mod in module.modules():
+        if isinstance(mod, torch.nn.Linear) and mod.weight.dim() == 2:
+            w = mod.weight.data
+            column = layout == "column"
+            if w.t().is_contiguous() if column else w.is_contiguous():
+                continue  # already so (a tied weight met a second time)
+            mod.weight.data = w.t().contiguous().t() if column else w.contiguous()
+            changed += 1
+    return changed

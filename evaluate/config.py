@@ -9,6 +9,7 @@ from hydra.core.config_store import ConfigStore
 
 from specblock.data.errors import ON_BAD_ROW
 from specblock.data.evalsets import EVAL_SETS
+from specblock.data.hardware import WEIGHT_LAYOUTS
 from specblock.data.question_sets import CustomSetConfig
 from specblock.data.target import DTYPES, TargetConfig
 from specblock.train.export import export_config
@@ -105,6 +106,11 @@ class EvalConfig:
     # (issue 12): on a CPU a one-token bf16 step can be slower than a float32 one. "auto": float32 on a CPU,
     # none on a GPU (where bf16 decodes fastest and a float32 copy of the target would cost its memory twice)
     baseline_dtypes: Any = AUTO
+    # how the target's and the drafters' linear weights are stored in decoding: row (as loaded), column
+    # (weight.t() contiguous: MKL multiplies the few rows of a decoding step up to 2-3x faster on some CPUs), or
+    # auto: column on a CPU where a decoding step's products are measured faster so (data/hardware.py), else
+    # row. The same values; every decoder of an evaluation, plain decoding included, shares the layout.
+    weight_layout: str = AUTO
     seed: int = 0
     logger: str = "none"  # none | wandb
     project: str = "specblock"
@@ -141,6 +147,10 @@ class EvalConfig:
             )
         if self.drafter_dtype is not None and self.drafter_dtype not in DTYPES:
             raise ValueError(f"drafter_dtype={self.drafter_dtype!r} is not one of {sorted(DTYPES)} (or null)")
+        if self.weight_layout not in (AUTO, *WEIGHT_LAYOUTS):
+            raise ValueError(
+                f"weight_layout={self.weight_layout!r} is not one of {AUTO}, {', '.join(WEIGHT_LAYOUTS)}"
+            )
         if self.baseline_dtypes == AUTO:
             self.baseline_dtypes = [] if self.target.device.startswith("cuda") else ["float32"]
         self.baseline_dtypes = list(self.baseline_dtypes)

@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 import torch
 from tqdm.auto import tqdm
 
+from specblock.data.hardware import auto_layout, set_weight_layout
 from specblock.data.evalsets import EvalPrompt, EvalSet, EvalSetConfig, load_eval_set, turn_ids
 from specblock.data.io import atomic_path
 from specblock.data.target import DTYPES, FeatureTarget, eos_ids, load_target
@@ -74,7 +75,9 @@ def load_drafters(cfg: EvalConfig, target) -> dict[str, tuple[torch.nn.Module, d
             raise ValueError(
                 f"drafters.{name} ({folder}) was trained for a vocabulary of {vocab}, the target has {target_vocab}"
             )
-        out[name] = (module.to(device=target.device, dtype=dtype), meta)
+        module = module.to(device=target.device, dtype=dtype)
+        set_weight_layout(module, weight_layout(cfg))
+        out[name] = (module, meta)
     return out
 
 
@@ -186,12 +189,20 @@ def build(cfg: EvalConfig) -> Setup:
     Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
     ensure_embedded_target(cfg.target.name_or_path)
     model, tokenizer = load_target(cfg.target)
+    set_weight_layout(model, weight_layout(cfg))  # before any copy: the probe's and the baselines' keep it
     sets, unavailable = load_sets(cfg)
     eos, probe = eos_ids(tokenizer, model), None
     first = next((s.prompts[0] for s in sets if s.prompts), None)
     if needs_probe(cfg) and first is not None:
         model, probe = measure_precision(cfg, model, tokenizer, first, decoders, eos)
     return Setup(model, tokenizer, decoders(cfg, model, eos), sets, unavailable, probe)
+
+
+def weight_layout(cfg: EvalConfig) -> str:
+    """cfg.weight_layout, `auto` resolved once (data/hardware.auto_layout) and written back."""
+    if cfg.weight_layout == AUTO:
+        cfg.weight_layout = auto_layout(cfg.target.device)
+    return cfg.weight_layout
 
 
 def decoders(cfg: EvalConfig, model, eos: list[int]) -> list[tuple[str, SpeculativeDecoder]]:
@@ -258,6 +269,11 @@ def write(
     write_jsonl(out_dir / "results.jsonl", rows)
     report = markdown_report(rows) + cost_table(rows) + _mismatch_note(decoded.mismatches, decoded.gaps, cfg)
     report += precision_note(cfg.target, probe)
+    report += (
+        f"\nWeight layout (weight_layout): {cfg.weight_layout}-major linear weights in every decoder, plain "
+        "decoding included (auto: column where a decoding step's small products are measured faster so, "
+        "data/hardware.py).\n"
+    )
     if decoded.by_category.datasets():
         category_rows = records(decoded.by_category, fields)
         write_jsonl(out_dir / "results_by_category.jsonl", category_rows)
@@ -287,6 +303,7 @@ def record_fields(cfg: EvalConfig) -> dict[str, Any]:
         "top_p": cfg.top_p,
         "dtype": cfg.target.dtype,  # of the target (auto resolved)
         "drafter_dtype": cfg.drafter_dtype or cfg.target.dtype,
+        "weight_layout": cfg.weight_layout,
         "max_new_tokens": cfg.max_new_tokens,
         "limit": cfg.limit,
         "trees": {k: asdict(v) for k, v in cfg.trees.items()},

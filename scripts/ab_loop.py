@@ -9,6 +9,7 @@ import sys
 import torch
 
 from bench_decode import decoders, decoding_table, interleave, load_prompts, parse_args
+from specblock.data.hardware import auto_layout, set_weight_layout
 from specblock.data.logs import setup_logging
 from specblock.data.target import TargetConfig, load_target
 from specblock.evaluate.run import eos_ids
@@ -17,12 +18,17 @@ log = logging.getLogger(__name__)
 
 
 def ab_tree_auto(
-    old: str, variant, argv: list[str] | None = None, base: str = "tree@auto", more: dict | None = None
+    old: str,
+    variant,
+    argv: list[str] | None = None,
+    base: str = "tree@auto",
+    more: dict | None = None,
+    dtype: str = "bfloat16",
 ) -> None:
     """An A/B of a loop change in one process: `base` (default tree@auto) now against `variant(decoder)`
-    (the rule before, named `old`), with autoregressive decoding, bf16, T = 0, 1 thread, prompts
-    interleaved, median of the repeats; defaults: the cpu_full SpecBlock drafter, 64 new tokens on GSM8K.
-    `more`: further variants, name -> function of the base decoder. Prints the decoding table."""
+    (the rule before, named `old`), with autoregressive decoding, in `dtype` (bf16), T = 0, 1 thread,
+    prompts interleaved, median of the repeats; defaults: the cpu_full SpecBlock drafter, 64 new tokens on
+    GSM8K. `more`: further variants, name -> function of the base decoder. Prints the decoding table."""
     setup_logging()
     defaults = [
         "--methods",
@@ -32,11 +38,13 @@ def ab_tree_auto(
         "checkpoints/cpu_full-specblock/drafter",
     ]
     defaults += ["--dataset", "gsm8k", "--max-new-tokens", "64", "--repeats", "2", "--threads", "1"]
-    args = parse_args([*defaults, *(sys.argv[1:] if argv is None else argv), "--dtype", "bfloat16"])
+    args = parse_args([*defaults, *(sys.argv[1:] if argv is None else argv), "--dtype", dtype])
     torch.set_num_threads(args.threads)
-    model, tok = load_target(TargetConfig(name_or_path=args.target, dtype="bfloat16"))
+    model, tok = load_target(TargetConfig(name_or_path=args.target, dtype=dtype))
+    layout = auto_layout(args.device)  # the evaluation's weight_layout=auto, target and drafter alike
+    set_weight_layout(model, layout)
     prompts, eos = load_prompts(args, tok), eos_ids(tok, model)
-    decs = decoders(args, model, eos)
+    decs = decoders(args, model, eos, layout)
     for name, fn in {old: variant, **(more or {})}.items():
-        decs[name] = fn(decoders(args, model, eos)[base])
-    log.info(decoding_table(interleave({"bfloat16": decs}, args, prompts), args.temperature))
+        decs[name] = fn(decoders(args, model, eos, layout)[base])
+    log.info(decoding_table(interleave({dtype: decs}, args, prompts), args.temperature))

@@ -29,6 +29,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from specblock.data.evalsets import prompt_ids
+from specblock.data.hardware import WEIGHT_LAYOUTS, auto_layout, set_weight_layout
 from specblock.data.logs import setup_logging
 from specblock.data.target import DEFAULT_TARGET_DIR, DTYPES, FeatureTarget, TargetConfig, load_target
 
@@ -132,10 +133,10 @@ class HFGreedy:
         return Generation(out, [], len(out), len(out), time.perf_counter() - start, prefill, target)
 
 
-def decoders(args, model, eos: list[int]) -> dict[str, SpeculativeDecoder]:
+def decoders(args, model, eos: list[int], layout: str = "row") -> dict[str, SpeculativeDecoder]:
     """One decoder per method, all on `model`: the methods without a drafter once, the others with the
     drafter in the model's dtype, or once per --drafter-dtype (labelled "<method> d:<dtype>") where several
-    are given or one differs."""
+    are given or one differs; the drafter's linear weights stored in `layout` (the target's)."""
     made, layers = make_drafter(args.drafter, model, args.draft_vocab)
     plain = [m for m in args.methods if m == HF_GREEDY or parse_method(m.partition("@")[0])[0] in DRAFTERLESS]
     drafted = [m for m in args.methods if m not in plain]
@@ -144,6 +145,8 @@ def decoders(args, model, eos: list[int]) -> dict[str, SpeculativeDecoder]:
     for kind in kinds:
         dtype = model.dtype if kind is None else DTYPES[kind]
         drafter = None if made is None else copy.deepcopy(made).to(device=model.device, dtype=dtype)
+        if drafter is not None:
+            set_weight_layout(drafter, layout)
         suffix = "" if kind is None or (len(kinds) == 1 and dtype == model.dtype) else f" d:{kind}"
         out.update(
             (m + suffix, dec)
@@ -202,9 +205,12 @@ def auto_budget_lines(decs: dict[str, dict[str, SpeculativeDecoder]]) -> list[st
     return lines
 
 
-def run_decoding(args, models: dict[str, torch.nn.Module], eos, prompts) -> dict[tuple[str, str], Split]:
-    """Every (dtype, method) on every prompt, interleaved, `repeats` times after one warm-up prompt."""
-    return interleave({dt: decoders(args, m, eos) for dt, m in models.items()}, args, prompts)
+def run_decoding(
+    args, models: dict[str, torch.nn.Module], layouts: dict[str, str], eos, prompts
+) -> dict[tuple[str, str], Split]:
+    """Every (dtype [layout], method) on every prompt, interleaved, `repeats` times after one warm-up
+    prompt."""
+    return interleave({dt: decoders(args, m, eos, layouts[dt]) for dt, m in models.items()}, args, prompts)
 
 
 def interleave(decs: dict[str, dict[str, SpeculativeDecoder]], args, prompts) -> dict[tuple[str, str], Split]:
@@ -235,15 +241,16 @@ def interleave(decs: dict[str, dict[str, SpeculativeDecoder]], args, prompts) ->
 
 def decoding_table(splits: dict[tuple[str, str], Split], temperature: float) -> str:
     lines = [
-        "| dtype | method | tokens / s (median) | x autoregressive (same dtype) | x float32 autoregressive "
+        "| dtype | method | tokens / s (median) | x autoregressive (same dtype) | x fastest float32 autoregressive "
         "| tokens / iteration | per token: draft / target / verify / other ms "
         "| per iteration: draft / target / verify / other ms | tokens ≠ autoregressive |",
         "|---|---|---|---|---|---|---|---|---|",
     ]  # fmt: skip
+    plain32 = [s for (dt, m), s in splits.items() if dt.split()[0] == "float32" and m == AUTOREGRESSIVE]
+    f32 = max(plain32, key=Split.tokens_per_second, default=None)  # over the weight layouts measured
     for (dt, m), s in splits.items():
         tps = s.tokens_per_second()
         same = splits.get((dt, AUTOREGRESSIVE))
-        f32 = splits.get(("float32", AUTOREGRESSIVE))
 
         def x(ref: Split | None) -> str:
             return "–" if ref is None else f"{tps / ref.tokens_per_second():.2f}x"
@@ -338,6 +345,11 @@ def parse_args(argv: list[str] | None):
         "--drafter-dtype", nargs="+", choices=sorted(DTYPES),
         help="the drafter's precision(s), side by side (default: the target's)",
     )  # fmt: skip
+    ap.add_argument(
+        "--layout", nargs="+", default=["auto"], choices=["auto", *WEIGHT_LAYOUTS],
+        help="the linear weights' storage (target and drafter; data/hardware.py); several: side by side, "
+        "each dtype labelled '<dtype> <layout>'",
+    )  # fmt: skip
     ap.add_argument("--device", default="cpu")
     ap.add_argument(
         "--threads", type=int, help="torch CPU threads (default torch's; on a CPU other jobs share, 1)"
@@ -373,13 +385,19 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    models, tokenizer = {}, None
+    models, layouts, tokenizer = {}, {}, None
+    resolved = list(dict.fromkeys(auto_layout(args.device) if x == "auto" else x for x in args.layout))
     for dt in args.dtype:
-        models[dt], tokenizer = load_target(
-            TargetConfig(name_or_path=args.target, dtype=dt, device=args.device)
-        )
+        for layout in resolved:
+            key = dt if len(resolved) == 1 else f"{dt} {layout}"
+            models[key], tokenizer = load_target(
+                TargetConfig(name_or_path=args.target, dtype=dt, device=args.device)
+            )
+            set_weight_layout(models[key], layout)
+            layouts[key] = layout
     log.info(
-        f"target={args.target} device={args.device} torch={torch.__version__} threads={torch.get_num_threads()}"
+        f"target={args.target} device={args.device} torch={torch.__version__} threads={torch.get_num_threads()} "
+        f"weight layout={', '.join(resolved)}"
     )
     if not args.skip_decoding:
         prompts = load_prompts(args, tokenizer)
@@ -387,7 +405,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{len(prompts)} {args.dataset} prompts ({sum(map(len, prompts))} tokens), {args.max_new_tokens} new "
             f"tokens, L={args.draft_length}, T={args.temperature}, drafter={args.drafter}, {args.repeats} repeats\n"
         )  # fmt: skip
-        splits = run_decoding(args, models, eos_ids(tokenizer, next(iter(models.values()))), prompts)
+        splits = run_decoding(args, models, layouts, eos_ids(tokenizer, next(iter(models.values()))), prompts)
         log.info(decoding_table(splits, args.temperature))
     if not args.skip_forward:
         times = {

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from specblock.data import hardware
 from specblock.data.target import TargetConfig, auto_dtype
@@ -76,4 +77,65 @@ def test_nowhere_to_keep_it_still_decides(fresh, monkeypatch, caplog):
     monkeypatch.setattr(hardware, "has_bf16_kernels", lambda: True)
     calls = fake_times(monkeypatch, {"float32": 24.0, "bfloat16": 8.0})
     assert hardware.bf16_matmul_pays() and calls == [1]
-    assert "cannot keep the bf16 measurement" in caplog.text
+    assert "cannot keep the measurement" in caplog.text
+
+
+# ---------------------------------------------------------------- weight layout (decoding)
+
+
+class TiedLM(torch.nn.Module):
+    """An embedding, a hidden linear layer and an LM head tied to the embedding."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(11, 6)
+        self.hidden = torch.nn.Linear(6, 6)
+        self.head = torch.nn.Linear(6, 11, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.hidden(self.embed(ids))))
+
+
+def test_column_layout_keeps_values_parameters_and_ties():
+    torch.manual_seed(0)
+    model, ids = TiedLM(), torch.tensor([[1, 5, 7, 10]])
+    before, params = model(ids), list(model.parameters())
+    assert hardware.set_weight_layout(model, "column") == 2  # the tied weight once
+    assert model.hidden.weight.t().is_contiguous() and not model.hidden.weight.is_contiguous()
+    assert model.head.weight is model.embed.weight and model.embed.weight.t().is_contiguous()
+    assert list(model.parameters()) == params  # the same Parameter objects, only their storage moved
+    torch.testing.assert_close(model(ids), before)
+    assert hardware.set_weight_layout(model, "column") == 0  # already so
+    assert hardware.set_weight_layout(model, "row") == 2 and model.hidden.weight.is_contiguous()
+    torch.testing.assert_close(model(ids), before)
+    with pytest.raises(ValueError, match="weight_layout='diagonal'"):
+        hardware.set_weight_layout(model, "diagonal")
+
+
+@pytest.fixture
+def fresh_layout(tmp_path, monkeypatch):
+    monkeypatch.setenv(hardware.CACHE_ENV, str(tmp_path))
+    hardware.column_major_pays.cache_clear()
+    yield tmp_path
+    hardware.column_major_pays.cache_clear()
+
+
+def test_the_measured_faster_layout_decides_on_a_cpu_and_is_kept(fresh_layout, monkeypatch):
+    calls = []
+    monkeypatch.setattr(hardware, "layout_ms", lambda: calls.append(1) or {"row": 3.0, "column": 2.0})
+    assert hardware.auto_layout("cuda:0") == "row" and calls == []  # nothing to measure on a GPU
+    assert hardware.auto_layout("cpu") == "column" and calls == [1]
+    kept = json.loads((fresh_layout / "linear_layout.json").read_text())
+    assert list(kept.values()) == [{"row": 3.0, "column": 2.0}]
+    hardware.column_major_pays.cache_clear()
+    monkeypatch.setattr(hardware, "layout_ms", lambda: calls.append(1) or {"row": 1.0, "column": 2.0})
+    assert hardware.auto_layout("cpu") == "column" and calls == [1]  # read back, not measured again
+    (fresh_layout / "linear_layout.json").unlink()
+    hardware.column_major_pays.cache_clear()
+    assert hardware.auto_layout("cpu") == "row" and calls == [1, 1]
+
+
+def test_the_layout_probe_times_both_layouts():
+    ms = hardware.layout_ms(rounds=1, rows=(1, 2), shapes=((8, 16), (16, 8)))
+    assert set(ms) == {"row", "column"} and all(v > 0 for v in ms.values())

@@ -10,6 +10,8 @@ import time
 import pytest
 import torch
 
+from specblock.data.hardware import set_weight_layout
+from specblock.data.target import FeatureTarget
 from specblock.evaluate.decoding.continuations import LawBook
 from specblock.evaluate.decoding.loop import DecodeConfig, SpeculativeDecoder
 from specblock.evaluate.decoding.trees import TreeConfig
@@ -73,6 +75,28 @@ def test_auto_tree_budget_keeps_greedy_equality(greedy_setup, drafter):
     assert dec.auto.curve is not None and dec.calibration_seconds > 0
     assert dec.auto.curve.sizes[-1] == 13 and len(dec.auto.chosen) == dec.auto.iterations
     assert all(1 <= b <= 12 for b in dec.auto.chosen)
+
+
+def test_column_major_weights_keep_greedy_equality(greedy_setup):
+    """weight_layout=column (data/hardware.py) stores every linear weight transposed: the same values through
+    another kernel, so plain decoding in that layout is the reference, and every drafting mode over a target
+    and drafters in that layout reproduces it."""
+    target, ds = greedy_setup
+    col = FeatureTarget(copy.deepcopy(target.model), target.feature_layers)
+    assert set_weight_layout(col.model, "column") > 0
+    ar = DecodeConfig(mode="autoregressive", temperature=0.0, max_new_tokens=24)
+    tree = TreeConfig(budget=12, steps=2, beam=4, topk=4)
+    for name, drafter in ds.items():
+        drafter = copy.deepcopy(drafter)
+        assert set_weight_layout(drafter, "column") > 0
+        for prompt in (PROMPT, [7, 2]):
+            ref = SpeculativeDecoder(col, None, ar).generate(prompt).tokens
+            for mode, verifier, k in [("tree", "token", 1), ("chain", "block", 1), ("iid", "spectr_gbv", 3)]:
+                cfg = DecodeConfig(mode, verifier, k, 4, temperature=0.0, max_new_tokens=24, tree=tree)
+                assert SpeculativeDecoder(col, drafter, cfg).generate(prompt, seed=3).tokens == ref, (
+                    name,
+                    mode,
+                )
 
 
 def test_greedy_equality_with_an_accurate_drafter(greedy_setup):

@@ -37,6 +37,8 @@ def test_eval_config_composes_and_validates():
         EvalConfig(datasets=["squad"])
     with pytest.raises(ValueError, match="drafter_dtype"):
         EvalConfig(drafter_dtype="float64")
+    with pytest.raises(ValueError, match="weight_layout='diagonal' is not one of auto, row, column"):
+        EvalConfig(weight_layout="diagonal")
     assert (
         EvalConfig(target=TargetConfig(dtype="float32")).baselines == []
     )  # plain decoding is float32 already
@@ -131,15 +133,19 @@ def test_evaluate_end_to_end_on_tiny_target(tmp_path):
         num_drafts=2,
         draft_length=3,
         drafter_dtype="bfloat16",  # the drafters apart from the float32 target: exactness does not depend on it
+        weight_layout="column",  # every decoder in it, plain decoding included: greedy equality still holds
     )
     rows = evaluate(cfg, {"resolved": True})
-    assert {(r["dtype"], r["drafter_dtype"]) for r in rows} == {("float32", "bfloat16")}
+    assert {(r["dtype"], r["drafter_dtype"], r["weight_layout"]) for r in rows} == {
+        ("float32", "bfloat16", "column")
+    }
     out = tmp_path / "eval"
     assert read_jsonl(out / "results.jsonl") == json.loads(json.dumps(rows))
     assert (out / "acceptance_at.png").stat().st_size > 0
     report = (out / "results.md").read_text()
     assert "| humaneval |" in report and "specblock:tree" in report and "eagle3:iid-spectr_gbv" in report
     assert "reproduced the target's greedy output exactly" in report
+    assert "Weight layout (weight_layout): column-major" in report
     overall = {r["method"]: r for r in rows if r["dataset"] == "overall"}
     assert set(overall) == {"autoregressive", "lookup"} | {f"{d}:{m}" for d in folders for m in METHODS[2:]}
     for method, r in overall.items():
