@@ -34,6 +34,14 @@ divided out (c calibrates the drafter's scores only); the drafter's further roun
 chain already in the tree, and the union of the drafter's nodes and the chain's is cut to its best B
 nodes. Before drafting, `lookup_alone` decides whether the drafter runs at all this iteration.
 
+A `tree` with budget=auto asks the same gate with no chain: the drafter is called on demand (graft.py), and an
+iteration takes a plain one-token target step where the drafter's recent record (accepted nodes, nodes and
+drafter ms per drafted iteration, decayed) says its call and the wider forward cost more than its tokens win,
+1 / (other + forward(1)) >= (1 + g) / (other + d + forward(1 + b)). Every PROBE_EVERY-th iteration drafts
+anyway, so the record follows the text. A drafter that does not pay thus costs a few percent instead of
+making decoding slower than the target alone (the quick SpecBlock drafter on GSM8K: 0.93x against 0.79x of
+plain decoding, `scripts/ab_solo_gate.py`).
+
 `draft_length=auto` (chain methods) applies the same model to a chain drafted token by token, where
 drafting is not sunk: each further token costs `draft_ms` (the running mean per drafted token), so
 
@@ -64,6 +72,10 @@ LOAD_MIN, LOAD_MAX = 0.25, 4.0
 # accepted_i) / (LOOKUP_PRIOR + drafted_i), measured per depth over the iterations so far
 LOOKUP_PRIOR, LOOKUP_PRIOR_RATE = 2.0, 0.5
 GATE_MIN = 4  # tree+lookup: iterations with a chain and the drafter measured before the chain may go alone
+# a drafter that does not pay is still asked every PROBE_EVERY-th iteration, so that the gate sees a change
+# (another kind of text, a better stretch of the drafter) instead of deciding once for the whole generation
+PROBE_EVERY = 8
+SOLO_DECAY = 0.8  # the drafter's measured worth without a chain: a drafted iteration's weight halves after ~3
 
 
 @dataclass
@@ -143,6 +155,13 @@ class AutoBudget:
     gate_ms: float = 0.0  # drafter ms (catching up on the verified positions, and the rounds)
     other_ms: float = 0.0  # tree+lookup: decayed sums of the loop's own ms per iteration (outside the
     other_weight: float = 0.0  # target forward and drafting) and of the weights
+    solo_iterations: int = 0  # iterations without a lookup chain that ran the drafter, and decayed sums over
+    solo_gain: float = 0.0  # them (SOLO_DECAY, so that the gate follows the text: a stretch the drafter knows
+    solo_nodes: float = 0.0  # opens it, a probe that fails closes it): accepted nodes, nodes verified,
+    solo_ms: float = 0.0  # drafter ms (catching up on the verified positions, and the rounds), and the
+    solo_weight: float = 0.0  # weights
+    skipped: int = 0  # iterations the gate decided without the drafter (plain steps or a chain alone)
+    since_drafter: int = 0  # consecutive such iterations (PROBE_EVERY)
 
     @property
     def c(self) -> float:
@@ -240,22 +259,54 @@ class AutoBudget:
         return out
 
     def lookup_alone(self, n: int, ngram: int = 0) -> int | None:
-        """tree+lookup, before drafting: how many of a lookup chain's n tokens to verify WITHOUT the drafter
-        (no drafter call this iteration), or None to draft with it. The chain alone is cut to its best
-        length B by the cost model, then (1 + S_B) / (other + forward(B + 1)) is compared with (1 + S_B + g) /
-        (other + d + forward(B + 1 + b)): S_B the chain's confidences summed, and g, b, d the drafter's
-        accepted nodes, nodes and ms per iteration when it ran beside a chain (means). The drafter runs
-        until GATE_MIN such iterations are measured, and whenever there is no chain."""
-        if self.gate_iterations < GATE_MIN or n == 0:
-            return None
-        k = self.gate_iterations
-        g, b, d = self.gate_gain / k, self.gate_nodes / k, self.gate_ms / k
+        """tree+lookup (and a `tree` with budget=auto, which has no chain: n = 0), before drafting: how many of
+        a lookup chain's n tokens to verify WITHOUT the drafter (no drafter call this iteration; 0: a plain
+        one-token step of the target), or None to draft with it.
+        - With a chain, the chain alone is cut to its best length B by the cost model, then (1 + S_B) /
+          (other + forward(B + 1)) is compared with (1 + S_B + g) / (other + d + forward(B + 1 + b)): S_B the
+          chain's confidences summed, and g, b, d the drafter's accepted nodes, nodes and ms per iteration
+          when it ran beside a chain (means).
+        - Without a chain, a plain step 1 / (other + forward(1)) is compared with (1 + g) / (other + d +
+          forward(1 + b)), g, b, d the decayed means over the iterations where the drafter ran without a
+          chain: a drafter whose acceptance does not pay for its call (and for the wider forward) is not
+          called, until a probe finds it paying again.
+        The drafter runs until GATE_MIN such iterations are measured, and at least every PROBE_EVERY-th
+        iteration (the measurements go on). The choice reads past iterations only, never this iteration's
+        draft, so the output stays exact (any draft tree, the empty one included, is valid)."""
+        k = self.gate_iterations if n else self.solo_iterations
+        if k < GATE_MIN or self.since_drafter + 1 >= PROBE_EVERY:
+            return self._drafter()
         other = self.other_ms / self.other_weight if self.other_weight else 0.0
-        conf = self.lookup_confidences(n, ngram)
-        alone = choose_budget(conf, self.forward, other)
-        gain = 1 + sum(conf[: alone.size]) + g
-        with_drafter = gain / (other + d + self.forward(round(alone.size + 1 + b)))
-        return alone.size if alone.rate >= with_drafter else None
+        if n:
+            g, b, d = self.gate_gain / k, self.gate_nodes / k, self.gate_ms / k
+            conf = self.lookup_confidences(n, ngram)
+            alone = choose_budget(conf, self.forward, other)
+            size, gain = alone.size, 1 + sum(conf[: alone.size])
+            rate = alone.rate
+        else:
+            w = self.solo_weight
+            g, b, d = self.solo_gain / w, self.solo_nodes / w, self.solo_ms / w
+            size, gain = 0, 1.0
+            rate = gain / (other + self.forward(1))
+        with_drafter = (gain + g) / (other + d + self.forward(round(size + 1 + b)))
+        if rate < with_drafter:
+            return self._drafter()
+        self.skipped += 1
+        self.since_drafter += 1
+        return size
+
+    def _drafter(self) -> None:
+        self.since_drafter = 0
+        return None
+
+    def observe_solo(self, gain: int, nodes: int, seconds: float) -> None:
+        """An iteration without a lookup chain ran the drafter: it accepted `gain` nodes of the `nodes` it
+        verified and spent `seconds` drafting."""
+        self.solo_iterations += 1
+        self.solo_gain = SOLO_DECAY * self.solo_gain + gain
+        self.solo_nodes = SOLO_DECAY * self.solo_nodes + nodes
+        self.solo_ms = SOLO_DECAY * self.solo_ms + seconds * 1e3
+        self.solo_weight = SOLO_DECAY * self.solo_weight + 1.0
 
     def observe_gate(self, gain: int, nodes: int, seconds: float) -> None:
         """tree+lookup: an iteration that ran the drafter beside a chain accepted `gain` nodes the chain

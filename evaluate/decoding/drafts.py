@@ -47,7 +47,9 @@ class Drafts:
     def draft(self, root: Root | None, gen: Sampler, context: list[int]) -> Draft:
         """This iteration's draft from `root`; context: the prompt and the tokens generated so far."""
         cfg = self.cfg
-        if cfg.mode == "tree+lookup":
+        if (
+            self.graft is not None
+        ):  # tree+lookup, or a tree with budget=auto: the drafter on demand (graft.py)
             chain = self.graft.chain(context)
             alone = None if self.auto is None else self.auto.lookup_alone(len(chain), self.graft.ngram)
             if alone is not None:  # the chain alone (cut to its best length) is expected to emit faster

@@ -1,4 +1,6 @@
-"""tree+lookup's state in one decoder (loop.py): prompt lookup's chain grafted on the drafter's tree.
+"""tree+lookup's state in one decoder (loop.py): prompt lookup's chain grafted on the drafter's tree. A `tree`
+with budget=auto uses the same state without chains (`chains=False`), for the drafter on demand: the auto
+budget's gate (budget.py, `AutoBudget.lookup_alone`) takes a plain target step where the drafter does not pay.
 
 - The chain: prompt lookup's draft (lookup.py) after the context, and the n-gram length it followed.
 - The drafter on demand: verified positions wait in `pending` until an iteration wants the drafter's
@@ -21,8 +23,10 @@ from specblock.evaluate.decoding.trees import DraftTree, graft_chain
 class LookupGraft:
     """One decoder's tree+lookup state (module docstring); `start` resets it for each generation."""
 
-    def __init__(self, cfg: LookupConfig, length: int):
+    def __init__(self, cfg: LookupConfig, length: int, chains: bool = True):
         self.lookup = LookupSession(cfg, length)
+        self.chains = chains  # False: no lookup chain is ever offered (a `tree` with budget=auto)
+        self.offered = 0  # the length of this iteration's chain before any cut
         self.pending: list[tuple[Tensor, Tensor, int]] = []  # (features, tokens after, first position)
         self.drafter_nodes: set[int] = set()  # this iteration's nodes the drafter drafted
         self.lookup_nodes: list[int] = []  # this iteration's lookup chain, node per depth
@@ -36,8 +40,9 @@ class LookupGraft:
 
     def chain(self, context: list[int]) -> list[int]:
         """Prompt lookup's chain after `context` (the prompt and every generated token)."""
-        chain = self.lookup.draft(context)
-        self.ngram = self.lookup.index.matched
+        chain = self.lookup.draft(context) if self.chains else []
+        self.ngram = self.lookup.index.matched if self.chains else 0
+        self.offered = len(chain)
         return chain
 
     def chain_alone(self, chain: list[int]) -> DraftTree:
@@ -70,4 +75,6 @@ class LookupGraft:
             if self.used_drafter and self.lookup_nodes:  # the drafter's own part beside a chain
                 others = len(tree) - 1 - len(self.lookup_nodes)
                 auto.observe_gate(len(path) - hits, others, drafted_seconds)
+            elif self.used_drafter and not self.offered:  # the drafter alone
+                auto.observe_solo(len(path), len(tree) - 1, drafted_seconds)
         return sum(n in self.drafter_nodes for n in path)

@@ -176,8 +176,6 @@ class SpeculativeDecoder:
             self.drafter = LookupSession(cfg.lookup, cfg.draft_length)
         elif drafter is not None and cfg.mode != "autoregressive":
             self.drafter = make_session(drafter, target.vocab_size, cfg.temperature, cfg.top_p)
-        # tree+lookup: prompt lookup's draft grafted on the drafter's tree, the drafter on demand (graft.py)
-        self.graft = LookupGraft(cfg.lookup, cfg.draft_length) if cfg.mode == "tree+lookup" else None
         self._drafter_accepted = 0  # of the last iteration's accepted nodes, those the drafter drafted
         self.verifier = get_verifier(cfg.verifier) if cfg.mode in ("chain", "iid", "lookup") else None
         self.cross = cfg.mode in ("chain", "iid") and cfg.verifier in CROSS_ITERATION
@@ -188,6 +186,10 @@ class SpeculativeDecoder:
         # trees.<drafter>.budget=auto: the tree's size chosen per iteration from measured costs (budget.py)
         auto_tree = cfg.mode in TREE_MODES and cfg.tree.budget == AUTO
         self.auto = AutoBudget() if auto_tree or cfg.auto_length else None
+        # tree+lookup: prompt lookup's draft grafted on the drafter's tree, the drafter on demand (graft.py); a
+        # tree with budget=auto calls its drafter on demand too, only where it is expected to pay (budget.py)
+        lookup = cfg.mode == "tree+lookup"
+        self.graft = LookupGraft(cfg.lookup, cfg.draft_length, chains=lookup) if lookup or auto_tree else None
         self.calibration_seconds = 0.0  # the auto budget's one-time forward-curve measurement
         self.drafts = Drafts(cfg, self.drafter, self.graft, self.auto, self.greedy, target.vocab_size)
         self.adapter = adapter  # evaluate/adapt/: fed the verified positions, told when a request ends
@@ -233,7 +235,9 @@ class SpeculativeDecoder:
             t = time.perf_counter()
             most = self.cfg.draft_length
             if self.cfg.mode in TREE_MODES:  # the lookup branch adds up to draft_length nodes
-                most = self.cfg.tree.max_budget + (self.cfg.draft_length if self.graft is not None else 0)
+                most = self.cfg.tree.max_budget + (
+                    self.cfg.draft_length if self.cfg.mode == "tree+lookup" else 0
+                )
             grid = [n for n in FORWARD_GRID if n <= most] + [most + 1]
             self.auto.curve = measure_forward_curve(self.target.probe, tuple(sorted(set(grid))))
             self.calibration_seconds = time.perf_counter() - t
@@ -257,7 +261,8 @@ class SpeculativeDecoder:
             iterations.append(stats)
             if self.graft is not None and self.auto is not None:  # the loop's own cost, for the gate
                 self.auto.observe_other(stats.seconds - stats.target_seconds - stats.drafter_seconds)
-            if self.auto is not None:  # calibrated on the drafter's own nodes (a lookup branch's are not)
+            drafted = self.graft is None or self.graft.used_drafter  # not a plain step nor a chain alone
+            if self.auto is not None and drafted:  # calibrated on the drafter's own nodes (not a lookup's)
                 fixed = stats.seconds - stats.target_seconds - self.drafts.variable_seconds
                 self.auto.observe(self.drafts.scores, min(stats.accepted, self._drafter_accepted), fixed)
         result = Generation(

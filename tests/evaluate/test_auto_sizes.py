@@ -81,7 +81,10 @@ def test_auto_tree_stops_drafting_rounds_that_cannot_pay(greedy_setup, drafter, 
         out = dec.generate(prompt)
         assert out.tokens == SpeculativeDecoder(target, None, ar).generate(prompt).tokens
         assert all(it.draft_len <= depth for it in out.iterations)
-        assert all(it.drafter_calls == 1 for it in out.iterations[:-1])  # the advance only
+        # the catch-up on the verified positions only (the drafter on demand: graft.py), or no call where the
+        # gate takes a plain step
+        assert all(it.drafter_calls <= 1 for it in out.iterations)
+        assert out.iterations[0].drafter_calls == 1
 
 
 def test_specblock_round_starts_blocks_from_the_leaves_the_budget_keeps(greedy_setup, monkeypatch):
@@ -112,3 +115,64 @@ def test_auto_draft_length_is_refused_where_the_length_is_a_horizon():
     for mode, verifier, k in (("iid", "spectr", 2), ("chain", "greedy_block", 1), ("tree", "token", 1)):
         with pytest.raises(ValueError, match="draft_length=auto"):
             DecodeConfig(mode, verifier, k, 4, auto_length=True)
+
+
+def test_auto_tree_takes_plain_steps_where_the_drafter_does_not_pay(greedy_setup, monkeypatch):
+    """The gate (AutoBudget.lookup_alone with no chain): measured that the drafter's nodes are never accepted
+    while a call costs 500 ms, a tree with budget=auto takes plain target steps (no drafter call, no
+    draft node) but every PROBE_EVERY-th iteration, which asks the drafter again; where the drafter pays, it
+    drafts every iteration. Greedy equality either way."""
+    from specblock.evaluate.decoding import budget
+
+    target, ds = greedy_setup
+    frozen_auto(monkeypatch, ms_per_token=1.0)
+    monkeypatch.setattr(budget.AutoBudget, "observe_solo", lambda self, *a: None)  # the measured costs stay
+    tree = TreeConfig(budget="auto", max_budget=6, steps=1, beam=2, topk=2)
+    ar = DecodeConfig(mode="autoregressive", temperature=0.0, max_new_tokens=24)
+    ref = SpeculativeDecoder(target, None, ar).generate(PROMPT).tokens
+    for gain, ms, pays in [(0.0, 500.0, False), (30.0, 1.0, True)]:
+        dec = SpeculativeDecoder(
+            target, ds["eagle3"], DecodeConfig("tree", temperature=0.0, max_new_tokens=24, tree=tree)
+        )
+        auto = dec.auto
+        auto.solo_iterations, auto.solo_weight = 10, 10.0
+        auto.solo_gain, auto.solo_nodes, auto.solo_ms = gain, 20.0, 10 * ms
+        out = dec.generate(PROMPT)
+        assert out.tokens == ref
+        calls = [it.drafter_calls for it in out.iterations]
+        if pays:
+            assert all(c == 1 for c in calls) and auto.skipped == 0
+        else:
+            assert calls[: budget.PROBE_EVERY] == [0] * (budget.PROBE_EVERY - 1) + [1]
+            assert sum(calls) == len(calls) // budget.PROBE_EVERY and auto.skipped == len(calls) - sum(calls)
+            plain = [it for it, c in zip(out.iterations, calls) if c == 0]
+            assert all(it.draft_len == 0 and it.emitted == 1 for it in plain)
+
+
+def test_exact_law_of_an_auto_tree_with_plain_steps(exact_setup, monkeypatch):
+    """At temperature > 0 a plain step (the empty draft tree) between drafted iterations keeps the law of
+    whole generations: the gate chooses before anything is sampled. Here it skips the drafter after every
+    context of even length (a rule of the past tokens only, as exact enumeration replays the loop)."""
+    from specblock.evaluate.decoding import budget
+
+    target, ds = exact_setup
+    frozen_auto(monkeypatch, ms_per_token=1.0)
+    from specblock.evaluate.decoding import drafts
+
+    steps, draft = [], drafts.Drafts.draft
+
+    def spy(self, root, gen, context):  # the gate below reads the context's length
+        self.auto.context = len(context)
+        return draft(self, root, gen, context)
+
+    def gate(self, n, ngram=0):
+        steps.append(None if self.context % 2 else 0)
+        return steps[-1]
+
+    monkeypatch.setattr(drafts.Drafts, "draft", spy)
+    monkeypatch.setattr(budget.AutoBudget, "lookup_alone", gate)
+    tree = TreeConfig(budget="auto", max_budget=4, steps=1, beam=2, topk=2)
+    cfg = DecodeConfig("tree", temperature=1.0, top_p=0.5, max_new_tokens=HORIZON, tree=tree)
+    ref = exact_law(target, 1.0, 0.5)
+    assert max_error(loop_law(target, ds["specblock"], cfg), ref) < 1e-6
+    assert 0 in steps and None in steps

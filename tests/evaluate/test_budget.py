@@ -7,7 +7,14 @@ import math
 import pytest
 from omegaconf import OmegaConf
 
-from specblock.evaluate.decoding.budget import AutoBudget, ForwardCurve, choose_budget, measure_forward_curve
+from specblock.evaluate.decoding.budget import (
+    GATE_MIN,
+    PROBE_EVERY,
+    AutoBudget,
+    ForwardCurve,
+    choose_budget,
+    measure_forward_curve,
+)
 from specblock.evaluate.config import EvalConfig
 from specblock.evaluate.decoding.trees import TreeConfig
 
@@ -109,3 +116,18 @@ def test_more_tree_rounds_only_while_they_can_pay():
     assert auto.round_ms == pytest.approx(10.0) and auto.more_rounds(scores, frontier)
     auto.observe_rounds(1, 1.990)  # 1 s a round: it cannot
     assert not auto.more_rounds(scores, frontier)
+
+
+def test_the_gate_without_a_chain_weighs_a_plain_step_against_the_drafter():
+    """No lookup chain (a tree with budget=auto): a plain step 1 / forward(1) against (1 + g) / (d +
+    forward(1 + b)) with the drafter's decayed means; every PROBE_EVERY-th iteration asks the drafter anyway,
+    and probes that find it paying open the gate again."""
+    auto = AutoBudget(curve=ForwardCurve([1, 64], [50.0, 50.0 + 63 * 2.0]))
+    assert auto.lookup_alone(0) is None  # nothing measured yet: draft
+    for _ in range(GATE_MIN):
+        auto.observe_solo(0, 4, 0.010)  # 4 nodes verified, none accepted, 10 ms a call
+    decisions = [auto.lookup_alone(0) for _ in range(2 * PROBE_EVERY)]
+    assert decisions == ([0] * (PROBE_EVERY - 1) + [None]) * 2 and auto.skipped == 2 * (PROBE_EVERY - 1)
+    for _ in range(3):  # the probes find a stretch the drafter knows: 3 of 4 nodes accepted
+        auto.observe_solo(3, 4, 0.010)
+    assert auto.lookup_alone(0) is None and auto.lookup_alone(0) is None
