@@ -121,13 +121,13 @@ def bf16_matmul_pays() -> bool:
 
 
 # Weight layout of a linear layer in decoding. nn.Linear keeps its weight [out, in] row-major, and
-# F.linear multiplies by its transpose. For the few rows a decoding step feeds (1 token; a tree of 2-32), the
-# Intel MKL of the torch CPU build is up to 2-3x faster when the weight is stored column-major, i.e. when
-# weight.t() is a contiguous [in, out] matrix: on the session-14 Xeon a [4, 576] x [576, 576] product took
-# 0.070 ms row-major against 0.019 column-major, [8, 576] x [576, 1536] 0.156 against 0.128, and the whole
-# SmolLM2-135M forward over 4 tokens after a 300-token cache 111 against 71 ms (1 token: 56 against 51).
-# The same values, another kernel: results differ in the last bits (max |logit difference| 1e-4), so the
-# target and every decoder of one comparison share one layout. Measured per machine, like bf16.
+# F.linear multiplies by its transpose. For the few rows of a decoding step, the Intel MKL of the torch CPU
+# build takes another path when the weight is stored column-major (weight.t() a contiguous [in, out]
+# matrix). On the session-14 Xeon (SmolLM2-135M after a 300-token cache, float32, sizes interleaved, medians
+# of 22) a forward over 4 / 8 / 16 tokens took 74 / 92 / 108 ms column-major against 83 / 103 / 115
+# row-major, and over 1 / 2 tokens 55 / 67 against 54 / 62: wide trees gain, plain decoding does not. The
+# same values through another kernel: results differ in the last bits (max |logit difference| 1e-4), so the
+# target and every decoder of one comparison share one layout. `auto` measures a decoding step's products.
 WEIGHT_LAYOUTS = ("row", "column")
 LAYOUT_ROWS = (1, 4, 8)  # rows of a decoding step's products: one token, small trees
 LAYOUT_SHAPES = ((576, 1536), (1536, 576), (576, 576))  # [in, out] of a SmolLM2-sized layer's linears
@@ -169,6 +169,11 @@ def auto_layout(device: str) -> str:
     """`weight_layout=auto`: "column" on a CPU where column_major_pays, else "row" (GPU libraries take
     either layout at the same speed; nothing to change)."""
     return "column" if torch.device(device).type == "cpu" and column_major_pays() else "row"
+
+
+def resolve_layout(layout: str, device: str) -> str:
+    """A weight_layout setting (row, column or auto) as the layout to store: auto per `auto_layout`."""
+    return auto_layout(device) if layout == "auto" else layout
 
 
 def set_weight_layout(module: torch.nn.Module, layout: str) -> int:

@@ -107,10 +107,12 @@ class EvalConfig:
     # none on a GPU (where bf16 decodes fastest and a float32 copy of the target would cost its memory twice)
     baseline_dtypes: Any = AUTO
     # how the target's and the drafters' linear weights are stored in decoding: row (as loaded), column
-    # (weight.t() contiguous: MKL multiplies the few rows of a decoding step up to 2-3x faster on some CPUs), or
-    # auto: column on a CPU where a decoding step's products are measured faster so (data/hardware.py), else
-    # row. The same values; every decoder of an evaluation, plain decoding included, shares the layout.
-    weight_layout: str = AUTO
+    # (weight.t() contiguous), or auto: column on a CPU where a decoding step's small products are measured
+    # faster so (data/hardware.py), else row. On the session-14 Xeon column made tree forwards over 4-16 tokens
+    # 7-11 % faster and one- or two-token forwards (plain decoding, small trees) 1-9 % slower, so the default
+    # stays row; wide trees (a well-trained drafter) gain from column. Every decoder of an evaluation, plain
+    # decoding included, shares the layout.
+    weight_layout: str = "row"
     seed: int = 0
     logger: str = "none"  # none | wandb
     project: str = "specblock"

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import torch
 from tqdm.auto import tqdm
 
-from specblock.data.hardware import auto_layout, set_weight_layout
+from specblock.data.hardware import resolve_layout, set_weight_layout
 from specblock.data.evalsets import EvalPrompt, EvalSet, EvalSetConfig, load_eval_set, turn_ids
 from specblock.data.io import atomic_path
 from specblock.data.target import DTYPES, FeatureTarget, eos_ids, load_target
@@ -200,8 +200,7 @@ def build(cfg: EvalConfig) -> Setup:
 
 def weight_layout(cfg: EvalConfig) -> str:
     """cfg.weight_layout, `auto` resolved once (data/hardware.auto_layout) and written back."""
-    if cfg.weight_layout == AUTO:
-        cfg.weight_layout = auto_layout(cfg.target.device)
+    cfg.weight_layout = resolve_layout(cfg.weight_layout, cfg.target.device)
     return cfg.weight_layout
 
 
@@ -271,8 +270,8 @@ def write(
     report += precision_note(cfg.target, probe)
     report += (
         f"\nWeight layout (weight_layout): {cfg.weight_layout}-major linear weights in every decoder, plain "
-        "decoding included (auto: column where a decoding step's small products are measured faster so, "
-        "data/hardware.py).\n"
+        "decoding included (weight_layout: row, column, or auto: column where a decoding step's small products "
+        "are measured faster so, data/hardware.py).\n"
     )
     if decoded.by_category.datasets():
         category_rows = records(decoded.by_category, fields)

@@ -9,7 +9,7 @@ import sys
 import torch
 
 from bench_decode import decoders, decoding_table, interleave, load_prompts, parse_args
-from specblock.data.hardware import auto_layout, set_weight_layout
+from specblock.data.hardware import resolve_layout, set_weight_layout
 from specblock.data.logs import setup_logging
 from specblock.data.target import TargetConfig, load_target
 from specblock.evaluate.run import eos_ids
@@ -41,7 +41,7 @@ def ab_tree_auto(
     args = parse_args([*defaults, *(sys.argv[1:] if argv is None else argv), "--dtype", dtype])
     torch.set_num_threads(args.threads)
     model, tok = load_target(TargetConfig(name_or_path=args.target, dtype=dtype))
-    layout = auto_layout(args.device)  # the evaluation's weight_layout=auto, target and drafter alike
+    layout = resolve_layout(args.layout[0], args.device)  # target and drafter alike
     set_weight_layout(model, layout)
     prompts, eos = load_prompts(args, tok), eos_ids(tok, model)
     decs = decoders(args, model, eos, layout)

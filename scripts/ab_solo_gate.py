@@ -2,8 +2,8 @@
 `AutoBudget.lookup_alone` with n = 0): a tree with budget=auto, and tree+lookup where no chain matched, take a
 plain target step instead of a drafter call where the drafter's measured acceptance does not pay for its call
 and for the wider forward; against the same decoders drafting in every such iteration (the rule before).
-bench_decode.py's interleaved runner and table, T = 0, float32 by default (this Xeon's auto precision), the
-weight layout `auto` resolves to, prompts interleaved, median of the repeats; lookup beside them.
+bench_decode.py's interleaved runner and table, T = 0, float32 by default (this Xeon's auto precision), --layout
+(row by default), prompts interleaved, median of the repeats; lookup beside them.
 
     SPECBLOCK_DATASETS=../shared/datasets python scripts/ab_solo_gate.py --drafter checkpoints/quick-specblock/drafter
 """
@@ -16,7 +16,7 @@ import sys
 import torch
 
 from bench_decode import decoders, decoding_table, interleave, load_prompts, parse_args
-from specblock.data.hardware import auto_layout, set_weight_layout
+from specblock.data.hardware import resolve_layout, set_weight_layout
 from specblock.data.logs import setup_logging
 from specblock.data.target import TargetConfig, load_target
 from specblock.evaluate.run import eos_ids
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     dtype = args.dtype[0]
     model, tok = load_target(TargetConfig(name_or_path=args.target, dtype=dtype))
-    layout = auto_layout(args.device)
+    layout = resolve_layout(args.layout[0], args.device)  # target and drafter alike
     set_weight_layout(model, layout)
     prompts, eos = load_prompts(args, tok), eos_ids(tok, model)
     decs = decoders(args, model, eos, layout)

@@ -29,7 +29,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from specblock.data.evalsets import prompt_ids
-from specblock.data.hardware import WEIGHT_LAYOUTS, auto_layout, set_weight_layout
+from specblock.data.hardware import WEIGHT_LAYOUTS, resolve_layout, set_weight_layout
 from specblock.data.logs import setup_logging
 from specblock.data.target import DEFAULT_TARGET_DIR, DTYPES, FeatureTarget, TargetConfig, load_target
 
@@ -346,7 +346,7 @@ def parse_args(argv: list[str] | None):
         help="the drafter's precision(s), side by side (default: the target's)",
     )  # fmt: skip
     ap.add_argument(
-        "--layout", nargs="+", default=["auto"], choices=["auto", *WEIGHT_LAYOUTS],
+        "--layout", nargs="+", default=["row"], choices=["auto", *WEIGHT_LAYOUTS],
         help="the linear weights' storage (target and drafter; data/hardware.py); several: side by side, "
         "each dtype labelled '<dtype> <layout>'",
     )  # fmt: skip
@@ -386,7 +386,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     models, layouts, tokenizer = {}, {}, None
-    resolved = list(dict.fromkeys(auto_layout(args.device) if x == "auto" else x for x in args.layout))
+    resolved = list(dict.fromkeys(resolve_layout(x, args.device) for x in args.layout))
     for dt in args.dtype:
         for layout in resolved:
             key = dt if len(resolved) == 1 else f"{dt} {layout}"
