@@ -12,7 +12,8 @@
    cache gathers, sampling) = iteration wall time minus the three, per emitted token and per iteration
    (one target call; for autoregressive decoding one step), summed over all repeats before dividing.
 2. The target forward alone against the number of tokens fed (1 ... 128, a causal chain) after a
-   `--context`-token KV cache, median of `--forward-repeats`, per dtype: a table and a plot.
+   `--context`-token KV cache, median of `--forward-repeats`, per dtype (and layout), the models alternating
+   forward by forward: a table and a plot.
 """
 
 from __future__ import annotations
@@ -267,24 +268,33 @@ def decoding_table(splits: dict[tuple[str, str], Split], temperature: float) -> 
     return "\n".join(lines) + "\n"
 
 
-def forward_times(model, context: int, lengths: list[int], repeats: int) -> dict[int, float]:
+def forward_times(
+    models: dict[str, torch.nn.Module], context: int, lengths: list[int], repeats: int
+) -> dict[str, dict[int, float]]:
     """Median seconds of one loop-style target forward (TargetSession: 4-D mask, hidden states) over n
-    tokens after a `context`-token KV cache, for each n in `lengths`; the cache is cut back after each."""
-    session = TargetSession(FeatureTarget(model))
-    session.reset()
+    tokens after a `context`-token KV cache, for each model and each n in `lengths`; the cache is cut back
+    after each. The models alternate forward by forward (their order reversed every repeat), so that a load
+    spike on this shared machine hits all of them."""
     gen = torch.Generator().manual_seed(0)
-    vocab = model.config.get_text_config().vocab_size
-    session.forward(torch.randint(0, vocab, (context,), generator=gen).tolist())
-    out = {}
+    vocab = next(iter(models.values())).config.get_text_config().vocab_size
+    prompt = torch.randint(0, vocab, (context,), generator=gen).tolist()
+    sessions = {}
+    for key, model in models.items():
+        sessions[key] = TargetSession(FeatureTarget(model))
+        sessions[key].reset()
+        sessions[key].forward(prompt)
+    out: dict[str, dict[int, float]] = {key: {} for key in models}
     for n in lengths:
         ids = torch.randint(0, vocab, (n,), generator=gen).tolist()
-        times = []
-        for _ in range(repeats + 1):  # the first is a warm-up for this shape
-            start = time.perf_counter()
-            session.forward(ids)
-            times.append(time.perf_counter() - start)
-            session.keep(context, [])
-        out[n] = statistics.median(times[1:])
+        times: dict[str, list[float]] = {key: [] for key in models}
+        for r in range(repeats + 1):  # the first is a warm-up for this shape
+            for key in list(sessions)[:: 1 if r % 2 else -1]:
+                start = time.perf_counter()
+                sessions[key].forward(ids)
+                times[key].append(time.perf_counter() - start)
+                sessions[key].keep(context, [])
+        for key in models:
+            out[key][n] = statistics.median(times[key][1:])
     return out
 
 
@@ -408,11 +418,11 @@ def main(argv: list[str] | None = None) -> None:
         splits = run_decoding(args, models, layouts, eos_ids(tokenizer, next(iter(models.values()))), prompts)
         log.info(decoding_table(splits, args.temperature))
     if not args.skip_forward:
-        times = {
-            dt: forward_times(m, args.context, args.forward_tokens, args.forward_repeats)
-            for dt, m in models.items()
-        }
-        log.info(f"target forward after a {args.context}-token cache (median of {args.forward_repeats}):\n")
+        times = forward_times(models, args.context, args.forward_tokens, args.forward_repeats)
+        log.info(
+            f"target forward after a {args.context}-token cache (median of {args.forward_repeats}, the "
+            "precisions / layouts alternating forward by forward):\n"
+        )
         log.info(forward_table(times))
         plot_forward(times, args.context, args.plot)
         log.info(f"plot: {args.plot}")
