@@ -16,9 +16,11 @@ from specblock.train.accel import resolve_mixed_precision
 def fresh(tmp_path, monkeypatch):
     """A private cache folder and no decision remembered from an earlier call in this process."""
     monkeypatch.setenv(hardware.CACHE_ENV, str(tmp_path))
-    hardware.bf16_matmul_pays.cache_clear()
+    for decision in (hardware.bf16_matmul_pays, hardware.column_major_pays):
+        decision.cache_clear()
     yield tmp_path
-    hardware.bf16_matmul_pays.cache_clear()
+    for decision in (hardware.bf16_matmul_pays, hardware.column_major_pays):
+        decision.cache_clear()
 
 
 def fake_times(monkeypatch, ms: dict[str, float]) -> list[int]:
@@ -113,25 +115,17 @@ def test_column_layout_keeps_values_parameters_and_ties():
         hardware.set_weight_layout(model, "diagonal")
 
 
-@pytest.fixture
-def fresh_layout(tmp_path, monkeypatch):
-    monkeypatch.setenv(hardware.CACHE_ENV, str(tmp_path))
-    hardware.column_major_pays.cache_clear()
-    yield tmp_path
-    hardware.column_major_pays.cache_clear()
-
-
-def test_the_measured_faster_layout_decides_on_a_cpu_and_is_kept(fresh_layout, monkeypatch):
+def test_the_measured_faster_layout_decides_on_a_cpu_and_is_kept(fresh, monkeypatch):
     calls = []
     monkeypatch.setattr(hardware, "layout_ms", lambda: calls.append(1) or {"row": 3.0, "column": 2.0})
     assert hardware.auto_layout("cuda:0") == "row" and calls == []  # nothing to measure on a GPU
     assert hardware.auto_layout("cpu") == "column" and calls == [1]
-    kept = json.loads((fresh_layout / "linear_layout.json").read_text())
+    kept = json.loads((fresh / "linear_layout.json").read_text())
     assert list(kept.values()) == [{"row": 3.0, "column": 2.0}]
     hardware.column_major_pays.cache_clear()
     monkeypatch.setattr(hardware, "layout_ms", lambda: calls.append(1) or {"row": 1.0, "column": 2.0})
     assert hardware.auto_layout("cpu") == "column" and calls == [1]  # read back, not measured again
-    (fresh_layout / "linear_layout.json").unlink()
+    (fresh / "linear_layout.json").unlink()
     hardware.column_major_pays.cache_clear()
     assert hardware.auto_layout("cpu") == "row" and calls == [1, 1]
 
