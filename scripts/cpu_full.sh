@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The cpu_full recipe end to end (issue 11), resumable: rerun this script after a kill or at the start of
 # a new session and every stage continues where it stopped (regeneration row by row, feature capture
-# shard by shard, training from its last checkpoint, the curve checkpoint by checkpoint).
+# shard by shard, training from its last checkpoint, the curve checkpoint by checkpoint, a finished
+# evaluation skipped). Order: both drafters, the scaling curve and the speed table, then the math drafters.
 #   nohup scripts/cpu_full.sh > checkpoints/logs/cpu_full.log 2>&1 &
 # Steps per drafter: about 90 minutes each on 2 cores (measured step times in the README); override with
 # SPECBLOCK_STEPS=... EAGLE3_STEPS=... scripts/cpu_full.sh
@@ -27,6 +28,20 @@ for drafter in specblock eagle3; do
     trainer.keep_every="${!keep_var}" loss.curriculum.end="$(( ${!steps_var} / 2 ))"
 done
 
+echo "== $(date -u +%H:%M) scaling curve"
+"$py" scripts/scaling_curve.py checkpoints/cpu_full-specblock checkpoints/cpu_full-eagle3 --out docs/scaling_curve
+
+# an evaluation writes its config.json last: present means done, and a rerun of this script skips it
+if [ -f checkpoints/eval/cpu_full/config.json ]; then
+  echo "cpu_full evaluation: done already (checkpoints/eval/cpu_full/results.md), skipped"
+else
+  echo "== $(date -u +%H:%M) speed of the best checkpoints (deployment precision, sizes from measured costs)"
+  "$py" -m specblock.evaluate run_name=cpu_full target.dtype=auto limit=3 max_new_tokens=64 \
+    'drafters={specblock: checkpoints/cpu_full-specblock/drafter, eagle3: checkpoints/cpu_full-eagle3/drafter}' \
+    draft_length=auto trees.specblock.budget=auto trees.eagle3.budget=auto \
+    'methods=[autoregressive,lookup,chain-token,tree,tree+lookup]'
+fi
+
 # The math drafters: each fine-tuned on GSM8K's train split answered again by the target (README section
 # "A math drafter"); about 20 minutes each on one core. Offline the split comes from $SPECBLOCK_DATASETS.
 gsm8k=()
@@ -42,16 +57,10 @@ for drafter in eagle3 specblock; do
     init_from="checkpoints/cpu_full-${drafter}/drafter" "${gsm8k[@]}" "${extra[@]}"
 done
 
-echo "== $(date -u +%H:%M) scaling curve"
-"$py" scripts/scaling_curve.py checkpoints/cpu_full-specblock checkpoints/cpu_full-eagle3 --out docs/scaling_curve
-
-echo "== $(date -u +%H:%M) speed of the best checkpoints (deployment precision, sizes from measured costs)"
-"$py" -m specblock.evaluate run_name=cpu_full target.dtype=auto limit=3 max_new_tokens=64 \
-  'drafters={specblock: checkpoints/cpu_full-specblock/drafter, eagle3: checkpoints/cpu_full-eagle3/drafter}' \
-  draft_length=auto trees.specblock.budget=auto trees.eagle3.budget=auto \
-  'methods=[autoregressive,lookup,chain-token,tree,tree+lookup]'
-"$py" -m specblock.evaluate run_name=cpu_full_math target.dtype=auto limit=3 max_new_tokens=64 '~drafters.specblock' \
-  drafters.eagle3=checkpoints/cpu_full-eagle3/drafter +drafters.eagle3_math=checkpoints/cpu_full_math-eagle3/drafter \
-  +drafters.specblock_math=checkpoints/cpu_full_math-specblock/drafter draft_length=auto trees.eagle3.budget=auto \
-  trees.specblock.budget=auto 'methods=[autoregressive,lookup,tree,tree+lookup]'
+if [ ! -f checkpoints/eval/cpu_full_math/config.json ]; then
+  "$py" -m specblock.evaluate run_name=cpu_full_math target.dtype=auto limit=3 max_new_tokens=64 '~drafters.specblock' \
+    drafters.eagle3=checkpoints/cpu_full-eagle3/drafter +drafters.eagle3_math=checkpoints/cpu_full_math-eagle3/drafter \
+    +drafters.specblock_math=checkpoints/cpu_full_math-specblock/drafter draft_length=auto trees.eagle3.budget=auto \
+    trees.specblock.budget=auto 'methods=[autoregressive,lookup,tree,tree+lookup]'
+fi
 echo "== $(date -u +%H:%M) done"
