@@ -47,9 +47,8 @@ class Drafts:
     def draft(self, root: Root | None, gen: Sampler, context: list[int]) -> Draft:
         """This iteration's draft from `root`; context: the prompt and the tokens generated so far."""
         cfg = self.cfg
-        if (
-            self.graft is not None
-        ):  # tree+lookup, or a tree with budget=auto: the drafter on demand (graft.py)
+        # tree+lookup, or a tree with budget=auto: the drafter on demand (graft.py)
+        if self.graft is not None:
             chain = self.graft.chain(context)
             alone = None if self.auto is None else self.auto.lookup_alone(len(chain), self.graft.ngram)
             if alone is not None:  # the chain alone (cut to its best length) is expected to emit faster
