@@ -84,7 +84,8 @@ def test_auto_tree_stops_drafting_rounds_that_cannot_pay(greedy_setup, drafter, 
         # the catch-up on the verified positions only (the drafter on demand: graft.py), or no call where the
         # gate takes a plain step
         assert all(it.drafter_calls <= 1 for it in out.iterations)
-        assert out.iterations[0].drafter_calls == 1
+        if prompt == PROMPT:  # nothing measured yet: the first iteration drafts (later the gate may shut)
+            assert out.iterations[0].drafter_calls == 1
 
 
 def test_specblock_round_starts_blocks_from_the_leaves_the_budget_keeps(greedy_setup, monkeypatch):
