@@ -67,24 +67,30 @@ def cpu_model(path: str = "/proc/cpuinfo") -> str:
     return cpuinfo_field("model name", path) or "unknown"
 
 
+def alternating_ms(runs: dict[str, Callable[[], object]], rounds: int) -> dict[str, list[float]]:
+    """The ms of every run of `runs`, `rounds` times each, the runs alternating round by round (a load spike
+    hits all of them), after one warm-up each."""
+    for run in runs.values():
+        run()
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            times[name].append((time.perf_counter() - start) * 1e3)
+    return times
+
+
 def matmul_ms(rounds: int = ROUNDS, shape: tuple[int, int, int] = PROBE_SHAPE) -> dict[str, float]:
-    """Median ms of one [m, k] @ [k, n] product in float32 and in bf16, the precisions alternating round by
-    round (a load spike hits both), after one warm-up each."""
+    """Median ms of one [m, k] @ [k, n] product in float32 and in bf16 (`alternating_ms`)."""
     m, k, n = shape
     gen = torch.Generator().manual_seed(0)
     pairs = {
         name: (torch.randn(m, k, generator=gen).to(dtype), torch.randn(k, n, generator=gen).to(dtype))
         for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16))
     }
-    times: dict[str, list[float]] = {name: [] for name in pairs}
-    for name, (a, b) in pairs.items():
-        a @ b
-    for _ in range(rounds):
-        for name, (a, b) in pairs.items():
-            start = time.perf_counter()
-            a @ b
-            times[name].append((time.perf_counter() - start) * 1e3)
-    return {name: statistics.median(t) for name, t in times.items()}
+    runs = {name: (lambda a=a, b=b: a @ b) for name, (a, b) in pairs.items()}
+    return {name: statistics.median(t) for name, t in alternating_ms(runs, rounds).items()}
 
 
 def measured(filename: str, measure: Callable[[], dict[str, float]]) -> dict[str, float]:
@@ -136,25 +142,18 @@ LAYOUT_ROUNDS = 21  # ~2 ms each: the fastest of many, because another job's loa
 
 def layout_ms(rounds: int = LAYOUT_ROUNDS, rows=LAYOUT_ROWS, shapes=LAYOUT_SHAPES) -> dict[str, float]:
     """The fastest ms of the small products of one decoding step (every `rows` x every `shapes`, summed),
-    with row-major and with column-major weights, the layouts alternating round by round."""
+    with row-major and with column-major weights (`alternating_ms`)."""
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(n_out, n_in, generator=gen) for n_in, n_out in shapes]
     inputs = [(torch.randn(m, w.shape[1], generator=gen), i) for m in rows for i, w in enumerate(weights)]
     layouts = {"row": weights, "column": [w.t().contiguous().t() for w in weights]}
 
-    def step(ws: list[torch.Tensor]) -> float:
-        start = time.perf_counter()
+    def step(ws: list[torch.Tensor]) -> None:
         for x, i in inputs:
             torch.nn.functional.linear(x, ws[i])
-        return (time.perf_counter() - start) * 1e3
 
-    times: dict[str, list[float]] = {name: [] for name in layouts}
-    for ws in layouts.values():
-        step(ws)  # warm-up
-    for _ in range(rounds):
-        for name, ws in layouts.items():
-            times[name].append(step(ws))
-    return {name: min(t) for name, t in times.items()}
+    runs = {name: (lambda ws=ws: step(ws)) for name, ws in layouts.items()}
+    return {name: min(t) for name, t in alternating_ms(runs, rounds).items()}
 
 
 @functools.cache
@@ -182,11 +181,10 @@ def set_weight_layout(module: torch.nn.Module, layout: str) -> int:
     tied embedding shares the new storage). Returns the number of weights whose storage changed."""
     if layout not in WEIGHT_LAYOUTS:
         raise ValueError(f"weight_layout={layout!r}: expected row or column (or auto)")
-    changed = 0
+    changed, column = 0, layout == "column"
     for mod in module.modules():
         if isinstance(mod, torch.nn.Linear) and mod.weight.dim() == 2:
             w = mod.weight.data
-            column = layout == "column"
             if w.t().is_contiguous() if column else w.is_contiguous():
                 continue  # already so (a tied weight met a second time)
             mod.weight.data = w.t().contiguous().t() if column else w.contiguous()

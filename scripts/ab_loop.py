@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import Callable
 
 import torch
 
@@ -40,11 +41,22 @@ def ab_tree_auto(
     defaults += ["--dataset", "gsm8k", "--max-new-tokens", "64", "--repeats", "2", "--threads", "1"]
     args = parse_args([*defaults, *(sys.argv[1:] if argv is None else argv), "--dtype", dtype])
     torch.set_num_threads(args.threads)
+    run_variants(args, {name: (base, fn) for name, fn in {old: variant, **(more or {})}.items()})
+
+
+def run_variants(args, variants: dict[str, tuple[str, Callable]]) -> None:
+    """bench_decode's decoders for `args` (its first --dtype and --layout), plus each variant: name ->
+    (the method whose decoder it starts from, a function of that decoder), decoded side by side (prompts
+    interleaved, median of the repeats); logs the decoding table."""
+    dtype = args.dtype[0]
     model, tok = load_target(TargetConfig(name_or_path=args.target, dtype=dtype))
     layout = resolve_layout(args.layout[0], args.device)  # target and drafter alike
     set_weight_layout(model, layout)
     prompts, eos = load_prompts(args, tok), eos_ids(tok, model)
     decs = decoders(args, model, eos, layout)
-    for name, fn in {old: variant, **(more or {})}.items():
+    for name, (base, fn) in variants.items():
         decs[name] = fn(decoders(args, model, eos, layout)[base])
+    log.info(
+        f"weight layout {layout}; {len(prompts)} {args.dataset} prompts, {args.max_new_tokens} new tokens"
+    )
     log.info(decoding_table(interleave({dtype: decs}, args, prompts), args.temperature))

@@ -10,18 +10,14 @@ bench_decode.py's interleaved runner and table, T = 0, float32 by default (this 
 
 from __future__ import annotations
 
-import logging
 import sys
 
 import torch
 
-from bench_decode import decoders, decoding_table, interleave, load_prompts, parse_args
-from specblock.data.hardware import resolve_layout, set_weight_layout
+from ab_loop import run_variants
+from bench_decode import parse_args
 from specblock.data.logs import setup_logging
-from specblock.data.target import TargetConfig, load_target
-from specblock.evaluate.run import eos_ids
 
-log = logging.getLogger(__name__)
 GATED = ["tree@auto", "tree+lookup@auto"]
 DEFAULTS = ["--methods", "autoregressive", "lookup", *GATED, "--dataset", "gsm8k", "--repeats", "2"]
 
@@ -38,18 +34,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args([*DEFAULTS, *(sys.argv[1:] if argv is None else argv)])
     if args.threads:
         torch.set_num_threads(args.threads)
-    dtype = args.dtype[0]
-    model, tok = load_target(TargetConfig(name_or_path=args.target, dtype=dtype))
-    layout = resolve_layout(args.layout[0], args.device)  # target and drafter alike
-    set_weight_layout(model, layout)
-    prompts, eos = load_prompts(args, tok), eos_ids(tok, model)
-    decs = decoders(args, model, eos, layout)
-    for m in GATED:
-        decs[f"{m}, drafter every iteration"] = without_gate(decoders(args, model, eos, layout)[m])
-    log.info(
-        f"weight layout {layout}; {len(prompts)} {args.dataset} prompts, {args.max_new_tokens} new tokens"
-    )
-    log.info(decoding_table(interleave({dtype: decs}, args, prompts), args.temperature))
+    run_variants(args, {f"{m}, drafter every iteration": (m, without_gate) for m in GATED})
 
 
 if __name__ == "__main__":

@@ -39,8 +39,8 @@ iteration takes a plain one-token target step where the drafter's recent record 
 drafter ms per drafted iteration, decayed) says its call and the wider forward cost more than its tokens win,
 1 / (other + forward(1)) >= (1 + g) / (other + d + forward(1 + b)). Every PROBE_EVERY-th iteration drafts
 anyway, so the record follows the text. A drafter that does not pay thus costs a few percent instead of
-making decoding slower than the target alone (the quick SpecBlock drafter on GSM8K: 0.92-0.93x against 0.79-0.84x of
-plain decoding, `scripts/ab_solo_gate.py`).
+making decoding slower than the target alone (the quick SpecBlock drafter on GSM8K: 0.92-0.93x against
+0.79-0.84x of plain decoding, `scripts/ab_solo_gate.py`).
 
 `draft_length=auto` (chain methods) applies the same model to a chain drafted token by token, where
 drafting is not sunk: each further token costs `draft_ms` (the running mean per drafted token), so

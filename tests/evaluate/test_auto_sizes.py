@@ -154,12 +154,10 @@ def test_exact_law_of_an_auto_tree_with_plain_steps(exact_setup, monkeypatch):
     """At temperature > 0 a plain step (the empty draft tree) between drafted iterations keeps the law of
     whole generations: the gate chooses before anything is sampled. Here it skips the drafter after every
     context of even length (a rule of the past tokens only, as exact enumeration replays the loop)."""
-    from specblock.evaluate.decoding import budget
+    from specblock.evaluate.decoding import budget, drafts
 
     target, ds = exact_setup
     frozen_auto(monkeypatch, ms_per_token=1.0)
-    from specblock.evaluate.decoding import drafts
-
     steps, draft = [], drafts.Drafts.draft
 
     def spy(self, root, gen, context):  # the gate below reads the context's length
