@@ -113,10 +113,12 @@ def measure_precision(
     prompt: EvalPrompt,
     make: Callable[[EvalConfig, Any, list[int]], list[tuple[str, SpeculativeDecoder]]],
     eos: list[int],
-) -> tuple[Any, PrecisionProbe]:
+) -> tuple[Any, PrecisionProbe, dict[str, Any]]:
     """Decodes `prompt` with the probed method in every candidate precision (module docstring) and returns the
-    target in the faster one (`model` itself or a copy) with the probe; sets cfg.target.dtype to it.
-    `make(cfg, model, eos)` builds the (label, decoder) runs of a config (run.decoders)."""
+    target in the faster one (`model` itself or a copy), the probe, and the target in every candidate
+    precision by name (the plain-decoding baselines reuse them instead of copying the target again); sets
+    cfg.target.dtype to the faster one. `make(cfg, model, eos)` builds the (label, decoder) runs of a config
+    (run.decoders)."""
     method, drafter = probe_method(cfg.methods, list(cfg.drafters))
     models = {cfg.target.dtype: model}
     for d in CANDIDATES:
@@ -144,4 +146,4 @@ def measure_precision(
     cfg.target.dtype = dtype
     probe = PrecisionProbe(dtype, method, drafter, ms)
     log.info(probe.note().strip())
-    return models[dtype], probe
+    return models[dtype], probe, models

@@ -191,11 +191,11 @@ def build(cfg: EvalConfig) -> Setup:
     model, tokenizer = load_target(cfg.target)
     set_weight_layout(model, weight_layout(cfg))  # before any copy: the probe's and the baselines' keep it
     sets, unavailable = load_sets(cfg)
-    eos, probe = eos_ids(tokenizer, model), None
+    eos, probe, copies = eos_ids(tokenizer, model), None, {}
     first = next((s.prompts[0] for s in sets if s.prompts), None)
     if needs_probe(cfg) and first is not None:
-        model, probe = measure_precision(cfg, model, tokenizer, first, decoders, eos)
-    return Setup(model, tokenizer, decoders(cfg, model, eos), sets, unavailable, probe)
+        model, probe, copies = measure_precision(cfg, model, tokenizer, first, decoders, eos)
+    return Setup(model, tokenizer, decoders(cfg, model, eos, copies), sets, unavailable, probe)
 
 
 def weight_layout(cfg: EvalConfig) -> str:
@@ -204,11 +204,13 @@ def weight_layout(cfg: EvalConfig) -> str:
     return cfg.weight_layout
 
 
-def decoders(cfg: EvalConfig, model, eos: list[int]) -> list[tuple[str, SpeculativeDecoder]]:
+def decoders(
+    cfg: EvalConfig, model, eos: list[int], copies: dict[str, Any] | None = None
+) -> list[tuple[str, SpeculativeDecoder]]:
     """(label, decoder): autoregressive first (the reference), then autoregressive in every precision of
     `cfg.baselines` ("autoregressive@float32", on a copy of the target: the fastest of them is the speedups'
-    denominator), then lookup, then every method of every drafter ("<drafter>:<method>", "+adapt" when it
-    adapts while it serves)."""
+    denominator; `copies[dtype]` where the precision probe made one already), then lookup, then every method
+    of every drafter ("<drafter>:<method>", "+adapt" when it adapts while it serves)."""
     drafters = load_drafters(cfg, model) if cfg.drafter_methods else {}
     plain = FeatureTarget(model, cfg.target.feature_layers)
     runs = [
@@ -217,7 +219,10 @@ def decoders(cfg: EvalConfig, model, eos: list[int]) -> list[tuple[str, Speculat
         if m in cfg.methods
     ]
     for i, dtype in enumerate(cfg.baselines, 1):  # plain decoding in other precisions, after autoregressive
-        copy_in = FeatureTarget(copy.deepcopy(model).to(DTYPES[dtype]), cfg.target.feature_layers)
+        other = (copies or {}).get(dtype)
+        if other is None:
+            other = copy.deepcopy(model).to(DTYPES[dtype])
+        copy_in = FeatureTarget(other, cfg.target.feature_layers)
         dec = SpeculativeDecoder(copy_in, None, decode_config(cfg, AUTOREGRESSIVE, None), eos)
         runs.insert(i, (f"{AUTOREGRESSIVE}{BASELINE_SEP}{dtype}", dec))
     for name, (module, meta) in drafters.items():

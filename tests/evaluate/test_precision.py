@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -57,6 +59,14 @@ def test_the_evaluation_decodes_in_the_precision_the_probe_measured_faster(tmp_p
         return faster, {d: 1.0 if d == faster else 2.0 for d in candidates}
 
     monkeypatch.setattr(precision, "choose_precision", fake_choose)
+    copied, deepcopy = [], copy.deepcopy
+
+    def counting_deepcopy(x, *args):
+        if isinstance(x, torch.nn.Module):
+            copied.append(type(x).__name__)
+        return deepcopy(x, *args)
+
+    monkeypatch.setattr(copy, "deepcopy", counting_deepcopy)
     ensure_embedded_target(TINY_TARGET_DIR)
     cfg = EvalConfig(
         output_dir=str(tmp_path / "eval"), drafters={}, methods=["autoregressive", "lookup"],
@@ -69,6 +79,7 @@ def test_the_evaluation_decodes_in_the_precision_the_probe_measured_faster(tmp_p
     assert setup.probe.method == "lookup" and setup.probe.dtype == faster
     labels = [label for label, _ in setup.runs]
     assert ("autoregressive@float32" in labels) == (faster == "bfloat16")
+    assert len(copied) == 1  # the probe's float32 copy, which the float32 baseline reuses when bf16 wins
 
     cfg.output_dir = str(tmp_path / "eval2")
     cfg.target = TargetConfig(name_or_path=TINY_TARGET_DIR, dtype="bfloat16", dtype_auto=True)
