@@ -28,6 +28,7 @@ import torch
 from filelock import FileLock
 
 from .io import atomic_path
+from .packed import pack_linears, packing_available, unpack_linears
 
 log = logging.getLogger(__name__)
 
@@ -134,54 +135,64 @@ def bf16_matmul_pays() -> bool:
 # row-major, and over 1 / 2 tokens 55 / 67 against 54 / 62: wide trees gain, plain decoding does not. The
 # same values through another kernel: results differ in the last bits (max |logit difference| 1e-4), so the
 # target and every decoder of one comparison share one layout. `auto` measures a decoding step's products.
-WEIGHT_LAYOUTS = ("row", "column")
+WEIGHT_LAYOUTS = ("row", "column", "packed")
 LAYOUT_ROWS = (1, 4, 8)  # rows of a decoding step's products: one token, small trees
 LAYOUT_SHAPES = ((576, 1536), (1536, 576), (576, 576))  # [in, out] of a SmolLM2-sized layer's linears
 LAYOUT_ROUNDS = 21  # ~2 ms each: the fastest of many, because another job's load only ever adds time
 
 
 def layout_ms(rounds: int = LAYOUT_ROUNDS, rows=LAYOUT_ROWS, shapes=LAYOUT_SHAPES) -> dict[str, float]:
-    """The fastest ms of the small products of one decoding step (every `rows` x every `shapes`, summed),
-    with row-major and with column-major weights (`alternating_ms`)."""
+    """The fastest ms of the small products of one decoding step (every `rows` x every `shapes`, summed) in
+    every weight layout this build has: row-major, column-major and MKL-packed weights (`alternating_ms`)."""
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(n_out, n_in, generator=gen) for n_in, n_out in shapes]
     inputs = [(torch.randn(m, w.shape[1], generator=gen), i) for m in rows for i, w in enumerate(weights)]
-    layouts = {"row": weights, "column": [w.t().contiguous().t() for w in weights]}
+    layouts = {}
+    for name in WEIGHT_LAYOUTS:
+        if name == "packed" and not packing_available():
+            continue
+        linears = [torch.nn.Linear(w.shape[1], w.shape[0], bias=False) for w in weights]
+        for lin, w in zip(linears, weights):
+            lin.weight = torch.nn.Parameter(w.clone(), requires_grad=False)
+        layouts[name] = torch.nn.Sequential(*linears)
+        set_weight_layout(layouts[name], name)
 
-    def step(ws: list[torch.Tensor]) -> None:
-        for x, i in inputs:
-            torch.nn.functional.linear(x, ws[i])
+    def step(linears: torch.nn.Sequential) -> None:
+        with torch.no_grad():
+            for x, i in inputs:
+                linears[i](x)
 
-    runs = {name: (lambda ws=ws: step(ws)) for name, ws in layouts.items()}
+    runs = {name: (lambda lins=lins: step(lins)) for name, lins in layouts.items()}
     return {name: min(t) for name, t in alternating_ms(runs, rounds).items()}
 
 
 @functools.cache
-def column_major_pays() -> bool:
-    """Whether a decoding step's small linear products are faster with column-major weights on this CPU
-    (LAYOUT_ROWS x LAYOUT_SHAPES, `layout_ms`), measured once per machine and kept."""
-    ms = measured("linear_layout.json", lambda: layout_ms())
-    return ms["column"] < ms["row"]
+def fastest_layout() -> str:
+    """The weight layout whose decoding-step products are fastest on this CPU (LAYOUT_ROWS x LAYOUT_SHAPES,
+    `layout_ms`), measured once per machine and kept."""
+    ms = measured("linear_layouts.json", lambda: layout_ms())
+    return min(ms, key=ms.get)
 
 
 def auto_layout(device: str) -> str:
-    """`weight_layout=auto`: "column" on a CPU where column_major_pays, else "row" (GPU libraries take
-    either layout at the same speed; nothing to change)."""
-    return "column" if torch.device(device).type == "cpu" and column_major_pays() else "row"
+    """`weight_layout=auto`: the `fastest_layout` on a CPU, else "row" (GPU libraries take either layout at
+    the same speed and have no packed product; nothing to change)."""
+    return fastest_layout() if torch.device(device).type == "cpu" else "row"
 
 
 def resolve_layout(layout: str, device: str) -> str:
-    """A weight_layout setting (row, column or auto) as the layout to store: auto per `auto_layout`."""
+    """A weight_layout setting (row, column, packed or auto) as the layout to store: auto per `auto_layout`."""
     return auto_layout(device) if layout == "auto" else layout
 
 
 def set_weight_layout(module: torch.nn.Module, layout: str) -> int:
-    """Stores every nn.Linear weight of `module` row-major ("row": [out, in] contiguous, as loaded) or
-    column-major ("column": weight.t() contiguous), in place: the same values, shapes and parameters (a
-    tied embedding shares the new storage). Returns the number of weights whose storage changed."""
+    """Stores every nn.Linear weight of `module` row-major ("row": [out, in] contiguous, as loaded),
+    column-major ("column": weight.t() contiguous) or row-major with an MKL-packed copy its forward reads
+    ("packed": data/packed.py), in place: the same values, shapes and parameters (a tied embedding shares
+    the new storage). Returns the number of linears that changed."""
     if layout not in WEIGHT_LAYOUTS:
-        raise ValueError(f"weight_layout={layout!r}: expected row or column (or auto)")
-    changed, column = 0, layout == "column"
+        raise ValueError(f"weight_layout={layout!r}: expected {', '.join(WEIGHT_LAYOUTS)} (or auto)")
+    changed, column = unpack_linears(module), layout == "column"
     for mod in module.modules():
         if isinstance(mod, torch.nn.Linear) and mod.weight.dim() == 2:
             w = mod.weight.data
@@ -189,4 +200,6 @@ def set_weight_layout(module: torch.nn.Module, layout: str) -> int:
                 continue  # already so (a tied weight met a second time)
             mod.weight.data = w.t().contiguous().t() if column else w.contiguous()
             changed += 1
+    if layout == "packed":
+        changed += pack_linears(module)
     return changed

@@ -189,6 +189,7 @@ class TargetHead:
     weight: torch.Tensor
     bias: torch.Tensor | None = None
     softcap: float | None = None
+    linear: torch.nn.Module | None = None  # the live head module (its kernel: weight_layout=packed)
 
     @classmethod
     def of(cls, model: PreTrainedModel, copy: bool = False) -> TargetHead:
@@ -199,7 +200,9 @@ class TargetHead:
         if copy:
             weight, bias = weight.clone(), (bias.clone() if bias is not None else None)
         # Gemma-2-style heads squash the logits; the recomputed logits must do the same.
-        return cls(weight, bias, getattr(model.config.get_text_config(), "final_logit_softcapping", None))
+        softcap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
+        linear = head if not copy and isinstance(head, torch.nn.Linear) else None
+        return cls(weight, bias, softcap, linear)
 
     def to(self, device: torch.device | str) -> TargetHead:
         bias = self.bias.to(device) if self.bias is not None else None
@@ -207,7 +210,10 @@ class TargetHead:
 
     def __call__(self, last_hidden: torch.Tensor) -> torch.Tensor:
         x = last_hidden.to(self.weight.device, self.weight.dtype)
-        logits = torch.nn.functional.linear(x, self.weight, self.bias)
+        if self.linear is not None and self.linear.weight.data_ptr() == self.weight.data_ptr():
+            logits = self.linear(x)  # the module's own forward: the same product, its kernel
+        else:
+            logits = torch.nn.functional.linear(x, self.weight, self.bias)
         logits = logits.float() if logits.element_size() < 4 else logits
         return logits if self.softcap is None else torch.tanh(logits / self.softcap) * self.softcap
 

@@ -106,13 +106,14 @@ class EvalConfig:
     # (issue 12): on a CPU a one-token bf16 step can be slower than a float32 one. "auto": float32 on a CPU,
     # none on a GPU (where bf16 decodes fastest and a float32 copy of the target would cost its memory twice)
     baseline_dtypes: Any = AUTO
-    # how the target's and the drafters' linear weights are stored in decoding: row (as loaded), column
-    # (weight.t() contiguous), or auto: column on a CPU where a decoding step's small products are measured
-    # faster so (data/hardware.py), else row. On the session-14 Xeon column made tree forwards over 4-16 tokens
-    # 7-11 % faster and one- or two-token forwards (plain decoding, small trees) 1-9 % slower, so the default
-    # stays row; wide trees (a well-trained drafter) gain from column. Every decoder of an evaluation, plain
-    # decoding included, shares the layout.
-    weight_layout: str = "row"
+    # how the target's and the drafters' linear layers multiply in decoding: row (weights as loaded), column
+    # (weight.t() contiguous), packed (MKL's packed product over a packed copy of each weight, float32 on a
+    # CPU: data/packed.py), or auto: the one whose decoding-step products are measured fastest on this CPU
+    # (data/hardware.py; row on a GPU). On the session-15 Xeon packed made 4-32-token forwards 15-20 % faster
+    # and left one- and two-token forwards as they were (they take the plain product), which took lookup
+    # from 1.15x to 1.27x and the drafters' tree+lookup from 1.21-1.22x to 1.27-1.28x in the main job's T = 0
+    # stage. Every decoder of an evaluation, plain decoding included, shares the layout.
+    weight_layout: str = AUTO
     seed: int = 0
     logger: str = "none"  # none | wandb
     project: str = "specblock"

@@ -204,6 +204,22 @@ def weight_layout(cfg: EvalConfig) -> str:
     return cfg.weight_layout
 
 
+LAYOUT_WORDS = {
+    "row": "row-major linear weights",
+    "column": "column-major linear weights",
+    "packed": "linear layers on MKL's packed product (a packed copy of each weight, data/packed.py)",
+}
+
+
+def layout_note(layout: str) -> str:
+    """The report's line on the weight layout every decoder used."""
+    return (
+        f"\nWeight layout (weight_layout): {LAYOUT_WORDS.get(layout, layout)} in every decoder, plain decoding "
+        "included (weight_layout: row, column, packed, or auto: the one whose decoding-step products are "
+        "measured fastest on this CPU, data/hardware.py).\n"
+    )
+
+
 def decoders(
     cfg: EvalConfig, model, eos: list[int], copies: dict[str, Any] | None = None
 ) -> list[tuple[str, SpeculativeDecoder]]:
@@ -273,11 +289,7 @@ def write(
     write_jsonl(out_dir / "results.jsonl", rows)
     report = markdown_report(rows) + cost_table(rows) + _mismatch_note(decoded.mismatches, decoded.gaps, cfg)
     report += precision_note(cfg.target, probe)
-    report += (
-        f"\nWeight layout (weight_layout): {cfg.weight_layout}-major linear weights in every decoder, plain "
-        "decoding included (weight_layout: row, column, or auto: column where a decoding step's small products "
-        "are measured faster so, data/hardware.py).\n"
-    )
+    report += layout_note(cfg.weight_layout)
     if decoded.by_category.datasets():
         category_rows = records(decoded.by_category, fields)
         write_jsonl(out_dir / "results_by_category.jsonl", category_rows)

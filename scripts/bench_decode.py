@@ -356,7 +356,7 @@ def parse_args(argv: list[str] | None):
         help="the drafter's precision(s), side by side (default: the target's)",
     )  # fmt: skip
     ap.add_argument(
-        "--layout", nargs="+", default=["row"], choices=["auto", *WEIGHT_LAYOUTS],
+        "--layout", nargs="+", default=["auto"], choices=["auto", *WEIGHT_LAYOUTS],
         help="the linear weights' storage (target and drafter; data/hardware.py); several: side by side, "
         "each dtype labelled '<dtype> <layout>'",
     )  # fmt: skip

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
 import torch
 
 from specblock.data import hardware
+from specblock.data.packed import PackedLinear, pack_linears, packing_available
 from specblock.data.target import TargetConfig, auto_dtype
 from specblock.train.accel import resolve_mixed_precision
 
@@ -16,10 +18,10 @@ from specblock.train.accel import resolve_mixed_precision
 def fresh(tmp_path, monkeypatch):
     """A private cache folder and no decision remembered from an earlier call in this process."""
     monkeypatch.setenv(hardware.CACHE_ENV, str(tmp_path))
-    for decision in (hardware.bf16_matmul_pays, hardware.column_major_pays):
+    for decision in (hardware.bf16_matmul_pays, hardware.fastest_layout):
         decision.cache_clear()
     yield tmp_path
-    for decision in (hardware.bf16_matmul_pays, hardware.column_major_pays):
+    for decision in (hardware.bf16_matmul_pays, hardware.fastest_layout):
         decision.cache_clear()
 
 
@@ -117,19 +119,79 @@ def test_column_layout_keeps_values_parameters_and_ties():
 
 def test_the_measured_faster_layout_decides_on_a_cpu_and_is_kept(fresh, monkeypatch):
     calls = []
-    monkeypatch.setattr(hardware, "layout_ms", lambda: calls.append(1) or {"row": 3.0, "column": 2.0})
+    ms = {"row": 3.0, "column": 2.0, "packed": 2.5}
+    monkeypatch.setattr(hardware, "layout_ms", lambda: calls.append(1) or dict(ms))
     assert hardware.auto_layout("cuda:0") == "row" and calls == []  # nothing to measure on a GPU
     assert hardware.auto_layout("cpu") == "column" and calls == [1]
-    kept = json.loads((fresh / "linear_layout.json").read_text())
-    assert list(kept.values()) == [{"row": 3.0, "column": 2.0}]
-    hardware.column_major_pays.cache_clear()
+    kept = json.loads((fresh / "linear_layouts.json").read_text())
+    assert list(kept.values()) == [ms]
+    hardware.fastest_layout.cache_clear()
     monkeypatch.setattr(hardware, "layout_ms", lambda: calls.append(1) or {"row": 1.0, "column": 2.0})
     assert hardware.auto_layout("cpu") == "column" and calls == [1]  # read back, not measured again
-    (fresh / "linear_layout.json").unlink()
-    hardware.column_major_pays.cache_clear()
+    (fresh / "linear_layouts.json").unlink()
+    hardware.fastest_layout.cache_clear()
     assert hardware.auto_layout("cpu") == "row" and calls == [1, 1]
 
 
-def test_the_layout_probe_times_both_layouts():
+def test_the_layout_probe_times_every_layout():
     ms = hardware.layout_ms(rounds=1, rows=(1, 2), shapes=((8, 16), (16, 8)))
-    assert set(ms) == {"row", "column"} and all(v > 0 for v in ms.values())
+    assert set(ms) == set(hardware.WEIGHT_LAYOUTS) and all(v > 0 for v in ms.values())
+
+
+needs_mkl = pytest.mark.skipif(not packing_available(), reason="this PyTorch build has no MKL packed product")
+
+
+@needs_mkl
+def test_packed_layout_keeps_values_parameters_and_ties():
+    torch.manual_seed(0)
+    model, ids = TiedLM(), torch.tensor([[1, 5, 7, 10]])
+    before, params = model(ids), list(model.parameters())
+    assert hardware.set_weight_layout(model, "packed") == 2
+    assert all(type(m) is PackedLinear for m in (model.hidden, model.head))
+    assert model.head.weight is model.embed.weight and list(model.parameters()) == params
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), before)
+        assert model.hidden._pack is not None  # the packed product ran
+    assert hardware.set_weight_layout(model, "row") == 2 and type(model.hidden) is torch.nn.Linear
+    assert "_pack" not in model.hidden.__dict__
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), before)
+
+
+@needs_mkl
+def test_a_packed_linear_takes_any_number_of_rows():
+    """One packed copy serves every number of rows (its layout is tuned for PACK_ROWS, not bound to it)."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(96, 80)
+    x = torch.randn(40, 96)
+    with torch.no_grad():
+        plain = lin(x)
+        pack_linears(lin)
+        full = lin(x)
+        torch.testing.assert_close(full, plain)
+        for m in (1, 2, 3, 5, 8, 17, 40):
+            torch.testing.assert_close(lin(x[:m]), plain[:m])
+        torch.testing.assert_close(lin(x.view(4, 10, 96)), full.view(4, 10, 80))  # any leading shape
+
+
+@needs_mkl
+def test_a_packed_linear_follows_its_weight_and_falls_back_where_it_cannot_pack():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(16, 8)
+    pack_linears(lin)
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        lin(x)
+        first = lin._pack
+        lin.weight.mul_(2)  # an in-place update: packed again
+        torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias))
+        assert lin._pack is not first
+    y = lin(x.requires_grad_())  # with gradients: the plain product, differentiable
+    y.sum().backward()
+    assert lin.weight.grad is not None and x.grad is not None
+    twin = copy.deepcopy(lin)  # the opaque packed copy stays behind and is made again
+    assert type(twin) is PackedLinear and twin._pack is None
+    half = twin.to(torch.bfloat16)
+    with torch.no_grad():
+        out = half(x.detach().bfloat16())
+    assert out.dtype == torch.bfloat16 and half._pack is None  # bf16: plain F.linear

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from specblock.data.hardware import set_weight_layout
+from specblock.data.packed import PackedLinear, packing_available
 from specblock.data.target import FeatureTarget
 from specblock.evaluate.decoding.continuations import LawBook
 from specblock.evaluate.decoding.loop import DecodeConfig, SpeculativeDecoder
@@ -77,18 +78,22 @@ def test_auto_tree_budget_keeps_greedy_equality(greedy_setup, drafter):
     assert all(1 <= b <= 12 for b in dec.auto.chosen)
 
 
-def test_column_major_weights_keep_greedy_equality(greedy_setup):
-    """weight_layout=column (data/hardware.py) stores every linear weight transposed: the same values through
-    another kernel, so plain decoding in that layout is the reference, and every drafting mode over a target
-    and drafters in that layout reproduces it."""
+@pytest.mark.parametrize("layout", ["column", "packed"])
+def test_other_weight_layouts_keep_greedy_equality(greedy_setup, layout):
+    """weight_layout=column (data/hardware.py) stores every linear weight transposed, `packed` gives every
+    linear an MKL-packed copy (data/packed.py): the same values through another kernel, so plain decoding in
+    that layout is the reference, and every drafting mode over a target and drafters in that layout
+    reproduces it."""
+    if layout == "packed" and not packing_available():
+        pytest.skip("this PyTorch build has no MKL packed product")
     target, ds = greedy_setup
     col = FeatureTarget(copy.deepcopy(target.model), target.feature_layers)
-    assert set_weight_layout(col.model, "column") > 0
+    assert set_weight_layout(col.model, layout) > 0
     ar = DecodeConfig(mode="autoregressive", temperature=0.0, max_new_tokens=24)
     tree = TreeConfig(budget=12, steps=2, beam=4, topk=4)
     for name, drafter in ds.items():
         drafter = copy.deepcopy(drafter)
-        assert set_weight_layout(drafter, "column") > 0
+        assert set_weight_layout(drafter, layout) > 0
         for prompt in (PROMPT, [7, 2]):
             ref = SpeculativeDecoder(col, None, ar).generate(prompt).tokens
             for mode, verifier, k in [("tree", "token", 1), ("chain", "block", 1), ("iid", "spectr_gbv", 3)]:
@@ -97,6 +102,8 @@ def test_column_major_weights_keep_greedy_equality(greedy_setup):
                     name,
                     mode,
                 )
+    if layout == "packed":  # the packed product ran (in the target and in the drafters)
+        assert all(m._pack is not None for m in col.model.modules() if isinstance(m, PackedLinear))
 
 
 def test_greedy_equality_with_an_accurate_drafter(greedy_setup):
