@@ -44,9 +44,9 @@ class PrepareResult:
 
 def expected_manifest(cfg: PrepareConfig, tokenizer) -> Manifest:
     """What the token shards of this config must record (checked against an existing folder). The
-    regeneration backend is left out of the recipe: backends differ only in rounding, and shards made
+    regeneration backend and weight layout are left out of the recipe: they change only the rounding, and shards made
     before it existed stay valid (so is a hub subset that is not set)."""
-    regenerate = {k: v for k, v in asdict(cfg.regenerate).items() if k != "backend"}
+    regenerate = {k: v for k, v in asdict(cfg.regenerate).items() if k not in ("backend", "weight_layout")}
     corpus = asdict(cfg.corpus)
     if corpus["subset"] is None:  # a field added later: shards made before it stay valid
         del corpus["subset"]

@@ -3,17 +3,24 @@
 
     python scripts/bench_data.py                       # SmolLM2-135M-Instruct (converted on first use)
     python scripts/bench_data.py --prompts 16 --batch-size 8 --max-new-tokens 64 --dtype float32
+    python scripts/bench_data.py --dtype float32 --layout row packed   # weight layouts side by side
+
+With several --layout values each gets its own copy of the target and the copies take turns batch by batch
+(and forward by forward in the capture), so that a load spike on a shared machine hits all of them.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import statistics
 import time
 
 import torch
 
 from specblock.data.corpora import CorpusConfig, load_conversations
 from specblock.data.errors import RowPolicy
+from specblock.data.hardware import WEIGHT_LAYOUTS, resolve_layout, set_weight_layout
 from specblock.data.logs import setup_logging
 from specblock.data.regenerate import RegenerateConfig, fitting_prompts, generate_batch, user_rounds
 from specblock.data.target import DEFAULT_TARGET_DIR, FeatureTarget, TargetConfig, load_target
@@ -33,6 +40,10 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--capture-length", type=int, default=256, help="tokens per row in the capture batch")
+    ap.add_argument(
+        "--layout", nargs="+", default=["auto"], choices=["auto", *WEIGHT_LAYOUTS],
+        help="the target's linear layers (data/hardware.py; regenerate.weight_layout); several: side by side",
+    )  # fmt: skip
     args = ap.parse_args()
     ensure_embedded_target(args.target)
     t0 = time.perf_counter()
@@ -47,13 +58,19 @@ def main() -> None:
     convs = fitting_prompts(tok, load_conversations(corpus, RowPolicy("skip")), cfg, RowPolicy("skip"))
     prompts = [sum(user_rounds(turns, 1), []) for _, turns in convs[: args.prompts]]
 
-    generated, t0 = 0, time.perf_counter()
-    for start in range(0, len(prompts), args.batch_size):
-        answers = generate_batch(model, tok, prompts[start : start + args.batch_size], cfg, seed=start)
-        generated += sum(len(tok(a, add_special_tokens=False)["input_ids"]) + 1 for a in answers)
-    regen_s = time.perf_counter() - t0
+    layouts = list(dict.fromkeys(resolve_layout(x, str(model.device)) for x in args.layout))
+    models = {layout: model if i == 0 else copy.deepcopy(model) for i, layout in enumerate(layouts)}
+    for layout, m in models.items():
+        set_weight_layout(m, layout)
 
-    target = FeatureTarget(model)
+    generated, regen_s = dict.fromkeys(layouts, 0), dict.fromkeys(layouts, 0.0)
+    for start in range(0, len(prompts), args.batch_size):
+        for layout, m in models.items():
+            t0 = time.perf_counter()
+            answers = generate_batch(m, tok, prompts[start : start + args.batch_size], cfg, seed=start)
+            regen_s[layout] += time.perf_counter() - t0
+            generated[layout] += sum(len(tok(a, add_special_tokens=False)["input_ids"]) + 1 for a in answers)
+
     rows = [
         render_with_mask(tok, p + [{"role": "assistant", "content": "ok"}], args.capture_length)[0]
         for p in prompts
@@ -61,21 +78,30 @@ def main() -> None:
     ids = torch.full((args.batch_size, args.capture_length), tok.pad_token_id or 0)
     for i, r in enumerate(rows[: args.batch_size]):
         ids[i, : len(r)] = torch.tensor(r)
-    target(ids)  # warm-up
-    t0 = time.perf_counter()
-    target(ids)
-    cap_s = time.perf_counter() - t0
+    targets = {layout: FeatureTarget(m) for layout, m in models.items()}
+    cap_s = {layout: [] for layout in layouts}
+    for r in range(4):  # the first a warm-up
+        for layout, target in targets.items():
+            t0 = time.perf_counter()
+            target(ids)
+            cap_s[layout].append(time.perf_counter() - t0)
     print(
         f"target {args.target} ({args.dtype}), torch threads {torch.get_num_threads()}, load {load_s:.1f} s\n"
     )
-    print("| stage | batch | tokens | seconds | tokens/s |")
-    print("|---|---|---|---|---|")
-    print(
-        f"| regeneration (greedy, max {args.max_new_tokens} new) | {args.batch_size} | {generated} | {regen_s:.1f} | {generated / regen_s:.1f} |"
-    )
-    print(
-        f"| feature capture (forward, {args.capture_length} tok/row) | {args.batch_size} | {ids.numel()} | {cap_s:.2f} | {ids.numel() / cap_s:.0f} |"
-    )
+    print("| stage | weight layout | batch | tokens | seconds | tokens/s |")
+    print("|---|---|---|---|---|---|")
+    for layout in layouts:
+        g, s = generated[layout], regen_s[layout]
+        print(
+            f"| regeneration (greedy, max {args.max_new_tokens} new) | {layout} | {args.batch_size} | {g} | "
+            f"{s:.1f} | {g / s:.1f} |"
+        )
+    for layout in layouts:
+        s = statistics.median(cap_s[layout][1:])
+        print(
+            f"| feature capture (forward, {args.capture_length} tok/row) | {layout} | {args.batch_size} | "
+            f"{ids.numel()} | {s:.2f} | {ids.numel() / s:.0f} |"
+        )
 
 
 if __name__ == "__main__":

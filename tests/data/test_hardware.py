@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from specblock.data import hardware
+from specblock.data import packed
 from specblock.data.packed import PackedLinear, pack_linears, packing_available
 from specblock.data.target import TargetConfig, auto_dtype
 from specblock.train.accel import resolve_mixed_precision
@@ -191,6 +192,10 @@ def test_a_packed_linear_follows_its_weight_and_falls_back_where_it_cannot_pack(
     assert lin.weight.grad is not None and x.grad is not None
     twin = copy.deepcopy(lin)  # the opaque packed copy stays behind and is made again
     assert type(twin) is PackedLinear and twin._pack is None
+    with torch.no_grad():  # a prefill's many rows, and one token's row: the plain product
+        twin(torch.randn(packed.MAX_ROWS + 1, 16))
+        twin(torch.randn(1, 16))
+    assert twin._pack is None
     half = twin.to(torch.bfloat16)
     with torch.no_grad():
         out = half(x.detach().bfloat16())

@@ -2,6 +2,7 @@
 token shards + manifest -> offline features; re-running skips, a changed recipe is refused."""
 
 import logging
+from dataclasses import replace
 
 import pytest
 from hydra import compose, initialize_config_module
@@ -70,6 +71,15 @@ def test_a_hub_subset_enters_the_recipe_only_when_set(setup, tiny_chat):
     assert "subset" not in prep.expected_manifest(setup(), tok).extra["corpus"]
     cfg = setup(corpus=CorpusConfig(source="openai/gsm8k", subset="main"))
     assert prep.expected_manifest(cfg, tok).extra["corpus"]["subset"] == "main"
+
+
+def test_the_regeneration_weight_layout_is_not_part_of_the_recipe(setup, tiny_chat):
+    """Like the backend, the linear layers' kernel changes only the rounding: shards stay up to date."""
+    _, tok = tiny_chat
+    packed = setup()
+    packed.regenerate = replace(packed.regenerate, weight_layout="packed")
+    assert prep.expected_manifest(packed, tok) == prep.expected_manifest(setup(), tok)
+    assert "weight_layout" not in prep.expected_manifest(packed, tok).extra["regenerate"]
 
 
 def test_the_prepare_config_composes_and_validates():

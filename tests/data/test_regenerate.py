@@ -1,8 +1,10 @@
+import copy
 import json
 
 import pytest
 
 from specblock.data import regenerate as regen
+from specblock.data.packed import PackedLinear, packing_available
 from specblock.data.regenerate import RegenerateConfig, read_done, regenerate
 
 CONVS = [
@@ -65,6 +67,21 @@ def test_config_is_validated():
         RegenerateConfig(turns=0)
     with pytest.raises(ValueError):
         RegenerateConfig(top_p=0.0)
+    with pytest.raises(ValueError, match="regenerate.weight_layout='diagonal'"):
+        RegenerateConfig(weight_layout="diagonal")
+
+
+@pytest.mark.skipif(not packing_available(), reason="this PyTorch build has no MKL packed product")
+def test_the_hf_backend_decodes_in_its_weight_layout(tiny_chat):
+    """hf_load sets regenerate.weight_layout on the shared target; packed answers are the row answers."""
+    model, tok = tiny_chat
+    prompts = [turns[:1] for _, turns in CONVS[:3]]  # 3 rows a step: the packed product's range
+    plain = regen.generate_batch(model, tok, prompts, cfg(), seed=0)
+    twin = copy.deepcopy(model)
+    assert regen.hf_load(None, cfg(weight_layout="packed"), None, lambda: twin) is twin
+    assert regen.generate_batch(twin, tok, prompts, cfg(), seed=0) == plain
+    packed = [m for m in twin.modules() if type(m) is PackedLinear]
+    assert packed and all(m._pack is not None for m in packed)  # every linear took the packed product
 
 
 def test_shrinking_decoder_matches_generate_and_drops_finished_rows(tiny_chat):
