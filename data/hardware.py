@@ -136,40 +136,57 @@ def bf16_matmul_pays() -> bool:
 # same values through another kernel: results differ in the last bits (max |logit difference| 1e-4), so the
 # target and every decoder of one comparison share one layout. `auto` measures a decoding step's products.
 WEIGHT_LAYOUTS = ("row", "column", "packed")
-LAYOUT_ROWS = (1, 4, 8)  # rows of a decoding step's products: one token, small trees
-LAYOUT_SHAPES = ((576, 1536), (1536, 576), (576, 576))  # [in, out] of a SmolLM2-sized layer's linears
-LAYOUT_ROUNDS = 21  # ~2 ms each: the fastest of many, because another job's load only ever adds time
+AUTO_LAYOUTS = ("row", "packed")  # what `auto` weighs; column-major is a manual choice (README, session 15)
+LAYOUT_ROWS = (4, 8)  # rows of a small tree's or chain's products (1-3 rows take the plain product anyway)
+# [in, out] of a SmolLM2-sized layer's seven linears (q, k, v, o, gate, up, down), LAYOUT_LAYERS of them,
+# then its LM head: 450 MB of float32 weights, more than a server CPU's last-level cache (260 MB on the
+# session-15 Xeon), as a decoding step's are.
+LAYOUT_SHAPES = ((576, 576), (576, 192), (576, 192), (576, 576), (576, 1536), (576, 1536), (1536, 576))
+LAYOUT_LAYERS = 24
+LAYOUT_HEAD = (576, 49152)
+LAYOUT_ROUNDS = 5  # ~0.1 s each: the fastest of several, because another job's load only ever adds time
 
 
-def layout_ms(rounds: int = LAYOUT_ROUNDS, rows=LAYOUT_ROWS, shapes=LAYOUT_SHAPES) -> dict[str, float]:
-    """The fastest ms of the small products of one decoding step (every `rows` x every `shapes`, summed) in
-    every weight layout this build has: row-major, column-major and MKL-packed weights (`alternating_ms`)."""
+def layout_ms(
+    rounds: int = LAYOUT_ROUNDS,
+    rows=LAYOUT_ROWS,
+    shapes=LAYOUT_SHAPES,
+    layers: int = LAYOUT_LAYERS,
+    layouts=AUTO_LAYOUTS,
+    head: tuple[int, int] | None = LAYOUT_HEAD,
+) -> dict[str, float]:
+    """The fastest ms of the small products of a decoding step (every `rows` through `layers` x `shapes`,
+    then `head`) in each of `layouts` this build has (`alternating_ms`). They share the weights where they
+    can (row-major and packed: packed adds its copy; column-major has its own)."""
     gen = torch.Generator().manual_seed(0)
-    weights = [torch.randn(n_out, n_in, generator=gen) for n_in, n_out in shapes]
-    inputs = [(torch.randn(m, w.shape[1], generator=gen), i) for m in rows for i, w in enumerate(weights)]
-    layouts = {}
-    for name in WEIGHT_LAYOUTS:
+    weights = [
+        torch.randn(n_out, n_in, generator=gen) * 0.02 for _ in range(layers) for n_in, n_out in shapes
+    ]
+    inputs = {w.shape[1]: {m: torch.randn(m, w.shape[1], generator=gen) for m in rows} for w in weights}
+    stacks = {}
+    for name in layouts:
         if name == "packed" and not packing_available():
             continue
         linears = [torch.nn.Linear(w.shape[1], w.shape[0], bias=False) for w in weights]
         for lin, w in zip(linears, weights):
-            lin.weight = torch.nn.Parameter(w.clone(), requires_grad=False)
-        layouts[name] = torch.nn.Sequential(*linears)
-        set_weight_layout(layouts[name], name)
+            lin.weight = torch.nn.Parameter(w, requires_grad=False)  # set_weight_layout copies where it must
+        stacks[name] = torch.nn.Sequential(*linears)
+        set_weight_layout(stacks[name], name)
 
     def step(linears: torch.nn.Sequential) -> None:
         with torch.no_grad():
-            for x, i in inputs:
-                linears[i](x)
+            for m in rows:
+                for lin in linears:
+                    lin(inputs[lin.in_features][m])
 
-    runs = {name: (lambda lins=lins: step(lins)) for name, lins in layouts.items()}
+    runs = {name: (lambda lins=lins: step(lins)) for name, lins in stacks.items()}
     return {name: min(t) for name, t in alternating_ms(runs, rounds).items()}
 
 
 @functools.cache
 def fastest_layout() -> str:
-    """The weight layout whose decoding-step products are fastest on this CPU (LAYOUT_ROWS x LAYOUT_SHAPES,
-    `layout_ms`), measured once per machine and kept."""
+    """The weight layout of AUTO_LAYOUTS whose small-tree products are fastest on this CPU (`layout_ms`),
+    measured once per machine and kept."""
     ms = measured("linear_layouts.json", lambda: layout_ms())
     return min(ms, key=ms.get)
 

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 PACK_ROWS = 64  # the rows the packed layout is tuned for; any number of rows is correct (module docstring)
-MIN_ROWS = 3  # fewer rows take the plain product (measured: in the whole model it is faster for 1-2 rows)
+MIN_ROWS = 4  # fewer rows take the plain product (measured: in the whole model it is faster for 1-3 rows)
 MAX_ROWS = 256  # more rows too: a prefill's or a capture's products (the LM head over 512 rows: 190 ms
 # packed against 170 plain; 64 rows: 18.7 against 24.9)
 

@@ -120,23 +120,27 @@ def test_column_layout_keeps_values_parameters_and_ties():
 
 def test_the_measured_faster_layout_decides_on_a_cpu_and_is_kept(fresh, monkeypatch):
     calls = []
-    ms = {"row": 3.0, "column": 2.0, "packed": 2.5}
+    ms = {"row": 3.0, "packed": 2.5}
     monkeypatch.setattr(hardware, "layout_ms", lambda: calls.append(1) or dict(ms))
     assert hardware.auto_layout("cuda:0") == "row" and calls == []  # nothing to measure on a GPU
-    assert hardware.auto_layout("cpu") == "column" and calls == [1]
+    assert hardware.auto_layout("cpu") == "packed" and calls == [1]
     kept = json.loads((fresh / "linear_layouts.json").read_text())
     assert list(kept.values()) == [ms]
     hardware.fastest_layout.cache_clear()
-    monkeypatch.setattr(hardware, "layout_ms", lambda: calls.append(1) or {"row": 1.0, "column": 2.0})
-    assert hardware.auto_layout("cpu") == "column" and calls == [1]  # read back, not measured again
+    monkeypatch.setattr(hardware, "layout_ms", lambda: calls.append(1) or {"row": 1.0, "packed": 2.0})
+    assert hardware.auto_layout("cpu") == "packed" and calls == [1]  # read back, not measured again
     (fresh / "linear_layouts.json").unlink()
     hardware.fastest_layout.cache_clear()
     assert hardware.auto_layout("cpu") == "row" and calls == [1, 1]
 
 
-def test_the_layout_probe_times_every_layout():
-    ms = hardware.layout_ms(rounds=1, rows=(1, 2), shapes=((8, 16), (16, 8)))
-    assert set(ms) == set(hardware.WEIGHT_LAYOUTS) and all(v > 0 for v in ms.values())
+def test_the_layout_probe_times_the_layouts_auto_weighs_or_any_others():
+    ms = hardware.layout_ms(rounds=1, rows=(1, 4), shapes=((8, 16), (16, 8)), layers=2, head=(8, 32))
+    assert set(ms) == set(hardware.AUTO_LAYOUTS) == {"row", "packed"} and all(v > 0 for v in ms.values())
+    ms = hardware.layout_ms(
+        rounds=1, rows=(4,), shapes=((8, 16),), layers=1, layouts=hardware.WEIGHT_LAYOUTS, head=None
+    )
+    assert set(ms) == set(hardware.WEIGHT_LAYOUTS)
 
 
 needs_mkl = pytest.mark.skipif(not packing_available(), reason="this PyTorch build has no MKL packed product")
@@ -180,7 +184,7 @@ def test_a_packed_linear_follows_its_weight_and_falls_back_where_it_cannot_pack(
     torch.manual_seed(0)
     lin = torch.nn.Linear(16, 8)
     pack_linears(lin)
-    x = torch.randn(3, 16)
+    x = torch.randn(4, 16)
     with torch.no_grad():
         lin(x)
         first = lin._pack

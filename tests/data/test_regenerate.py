@@ -75,7 +75,7 @@ def test_config_is_validated():
 def test_the_hf_backend_decodes_in_its_weight_layout(tiny_chat):
     """hf_load sets regenerate.weight_layout on the shared target; packed answers are the row answers."""
     model, tok = tiny_chat
-    prompts = [turns[:1] for _, turns in CONVS[:3]]  # 3 rows a step: the packed product's range
+    prompts = [turns[:1] for _, turns in CONVS[:4]]  # 4 rows a step: the packed product's range
     plain = regen.generate_batch(model, tok, prompts, cfg(), seed=0)
     twin = copy.deepcopy(model)
     assert regen.hf_load(None, cfg(weight_layout="packed"), None, lambda: twin) is twin
