@@ -107,12 +107,12 @@ class EvalConfig:
     # none on a GPU (where bf16 decodes fastest and a float32 copy of the target would cost its memory twice)
     baseline_dtypes: Any = AUTO
     # how the target's and the drafters' linear layers multiply in decoding: row (weights as loaded), column
-    # (weight.t() contiguous), packed (MKL's packed product over a packed copy of each weight, float32 on a
-    # CPU: data/packed.py), or auto: the one whose decoding-step products are measured fastest on this CPU
-    # (data/hardware.py; row on a GPU). On the session-15 Xeon packed made 4-32-token forwards 15-20 % faster
-    # and left one- and two-token forwards as they were (they take the plain product), which took lookup
-    # from 1.15x to 1.27x and the drafters' tree+lookup from 1.21-1.22x to 1.27-1.28x in the main job's T = 0
-    # stage. Every decoder of an evaluation, plain decoding included, shares the layout.
+    # (weight.t() contiguous), packed (MKL's packed product over a packed copy of each weight for 4-256 rows,
+    # float32 on a CPU: data/packed.py), or auto: packed where it is measured faster than row-major at 4-8
+    # rows (data/hardware.py; row on a GPU). On the session-15 Xeon packed made 4-32-token forwards 12-19 %
+    # cheaper and left one- to three-token forwards as they were, which took lookup from 1.15x to 1.27x and
+    # the drafters' tree+lookup from 1.21-1.22x to 1.27-1.28x in the main job's T = 0 stage. Every decoder of
+    # an evaluation, plain decoding included, shares the layout.
     weight_layout: str = AUTO
     seed: int = 0
     logger: str = "none"  # none | wandb
