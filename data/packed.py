@@ -62,6 +62,11 @@ class PackedLinear(torch.nn.Linear):
             self._pack_key = key
         return self._pack
 
+    def _apply(self, *args, **kwargs):  # .to(), .float(), .cuda(): the old copy would only hold memory
+        self.__dict__.pop("_pack", None)
+        self.__dict__.pop("_pack_key", None)
+        return super()._apply(*args, **kwargs)
+
     def __getstate__(self) -> dict:  # deep copies and pickles leave the packed copy (an opaque MKL tensor)
         state = dict(super().__getstate__())
         state.pop("_pack", None)

@@ -200,7 +200,9 @@ def test_a_packed_linear_follows_its_weight_and_falls_back_where_it_cannot_pack(
         twin(torch.randn(packed.MAX_ROWS + 1, 16))
         twin(torch.randn(1, 16))
     assert twin._pack is None
-    half = twin.to(torch.bfloat16)
+    assert lin._pack is not None
+    half = lin.to(torch.bfloat16)  # in place: the float32 copy is dropped, not kept alive
+    assert half is lin and lin._pack is None
     with torch.no_grad():
         out = half(x.detach().bfloat16())
     assert out.dtype == torch.bfloat16 and half._pack is None  # bf16: plain F.linear
