@@ -134,7 +134,9 @@ def bf16_matmul_pays() -> bool:
 # of 22) a forward over 4 / 8 / 16 tokens took 74 / 92 / 108 ms column-major against 83 / 103 / 115
 # row-major, and over 1 / 2 tokens 55 / 67 against 54 / 62: wide trees gain, plain decoding does not. The
 # same values through another kernel: results differ in the last bits (max |logit difference| 1e-4), so the
-# target and every decoder of one comparison share one layout. `auto` measures a decoding step's products.
+# target and every decoder of one comparison share one layout. Session 15: "packed" (data/packed.py, MKL's
+# packed product) beats both at 4-32 rows and leaves 1-3 rows to the plain product, so `auto` measures a
+# decoding step's products row-major against packed; column-major stays a manual choice.
 WEIGHT_LAYOUTS = ("row", "column", "packed")
 AUTO_LAYOUTS = ("row", "packed")  # what `auto` weighs; column-major is a manual choice (README, session 15)
 LAYOUT_ROWS = (4, 8)  # rows of a small tree's or chain's products (1-3 rows take the plain product anyway)
@@ -209,7 +211,8 @@ def set_weight_layout(module: torch.nn.Module, layout: str) -> int:
     the new storage). Returns the number of linears that changed."""
     if layout not in WEIGHT_LAYOUTS:
         raise ValueError(f"weight_layout={layout!r}: expected {', '.join(WEIGHT_LAYOUTS)} (or auto)")
-    changed, column = unpack_linears(module), layout == "column"
+    column = layout == "column"
+    changed = 0 if layout == "packed" else unpack_linears(module)  # packed again: keep the packed copies
     for mod in module.modules():
         if isinstance(mod, torch.nn.Linear) and mod.weight.dim() == 2:
             w = mod.weight.data

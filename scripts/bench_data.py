@@ -20,7 +20,7 @@ import torch
 
 from specblock.data.corpora import CorpusConfig, load_conversations
 from specblock.data.errors import RowPolicy
-from specblock.data.hardware import WEIGHT_LAYOUTS, resolve_layout, set_weight_layout
+from specblock.data.hardware import WEIGHT_LAYOUTS, alternating_ms, resolve_layout, set_weight_layout
 from specblock.data.logs import setup_logging
 from specblock.data.regenerate import RegenerateConfig, fitting_prompts, generate_batch, user_rounds
 from specblock.data.target import DEFAULT_TARGET_DIR, FeatureTarget, TargetConfig, load_target
@@ -79,12 +79,7 @@ def main() -> None:
     for i, r in enumerate(rows[: args.batch_size]):
         ids[i, : len(r)] = torch.tensor(r)
     targets = {layout: FeatureTarget(m) for layout, m in models.items()}
-    cap_s = {layout: [] for layout in layouts}
-    for r in range(4):  # the first a warm-up
-        for layout, target in targets.items():
-            t0 = time.perf_counter()
-            target(ids)
-            cap_s[layout].append(time.perf_counter() - t0)
+    cap_ms = alternating_ms({layout: (lambda t=t: t(ids)) for layout, t in targets.items()}, rounds=3)
     print(
         f"target {args.target} ({args.dtype}), torch threads {torch.get_num_threads()}, load {load_s:.1f} s\n"
     )
@@ -97,7 +92,7 @@ def main() -> None:
             f"{s:.1f} | {g / s:.1f} |"
         )
     for layout in layouts:
-        s = statistics.median(cap_s[layout][1:])
+        s = statistics.median(cap_ms[layout]) / 1e3
         print(
             f"| feature capture (forward, {args.capture_length} tok/row) | {layout} | {args.batch_size} | "
             f"{ids.numel()} | {s:.2f} | {ids.numel() / s:.0f} |"

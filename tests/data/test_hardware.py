@@ -157,6 +157,8 @@ def test_packed_layout_keeps_values_parameters_and_ties():
     with torch.no_grad():
         torch.testing.assert_close(model(ids), before)
         assert model.hidden._pack is not None  # the packed product ran
+    pack = model.hidden._pack
+    assert hardware.set_weight_layout(model, "packed") == 0 and model.hidden._pack is pack  # already so
     assert hardware.set_weight_layout(model, "row") == 2 and type(model.hidden) is torch.nn.Linear
     assert "_pack" not in model.hidden.__dict__
     with torch.no_grad():
