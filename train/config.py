@@ -17,6 +17,9 @@ from .modeling import DrafterConfig
 from .trainer import TrainerConfig
 
 FEATURE_MODES = ("online", "offline")
+# random: the drafter's decoder layers start from their own initialisation; target: as copies of the
+# target's top layers (modeling.common.start_from_target_layers)
+INIT_LAYERS = ("random", "target")
 
 
 @dataclass
@@ -45,6 +48,7 @@ class TrainConfig:
     # an exported drafter folder (<run>/drafter) to start from instead of random weights: fine-tuning on
     # new data keeps its draft vocabulary; a resumed run reads its own checkpoint instead
     init_from: str | None = None
+    init_layers: str = "random"  # INIT_LAYERS: how a run without init_from starts its decoder layers
     data: PrepareConfig = field(default_factory=PrepareConfig)
     # the `drafter` group: configs/drafter/<name>.yaml over its drafter's own schema (drafters.py)
     drafter: DrafterConfig = MISSING
@@ -69,6 +73,13 @@ class TrainConfig:
             self.trainer.resume = self.resume
         if self.trainer.eval_every > 0 and self.validation.fraction == 0:
             raise ValueError("trainer.eval_every > 0 needs a held-out split: set validation.fraction > 0")
+        if self.init_layers not in INIT_LAYERS:
+            raise ValueError(f"init_layers={self.init_layers!r} is not one of {INIT_LAYERS}")
+        if self.init_layers != "random" and self.init_from:
+            raise ValueError(
+                f"init_from={self.init_from!r} sets every weight of the drafter; init_layers="
+                f"{self.init_layers!r} would set its decoder layers too: choose one"
+            )
         if self.features not in FEATURE_MODES:
             raise ValueError(f"features={self.features!r} is not one of {FEATURE_MODES}")
         if self.features == "offline" and not self.data.features.enabled:

@@ -92,6 +92,11 @@ def model_card(config: dict[str, Any], card: dict[str, Any]) -> str:
         f"- run config: {card.get('run', 'n/a')}",
         *([f"- initialised from: {card['init_from']}"] if "init_from" in card else []),
         *(
+            [f"- decoder layers initialised from: the {card['init_layers']}'s top layers"]
+            if "init_layers" in card
+            else []
+        ),
+        *(
             [
                 f"- exported step: {card['best']['step']}, the best by {card['best']['metric']} = "
                 f"{card['best']['value']:.4f} on the held-out split"

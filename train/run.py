@@ -25,7 +25,7 @@ from .checkpoint import list_checkpoints, step_dir
 from .config import TrainConfig
 from .drafters import build_drafter, train_spec
 from .export import export_checkpoint, export_config
-from .modeling import build_vocab_map, count_tokens
+from .modeling import build_vocab_map, count_tokens, start_from_target_layers
 from .strategy import DrafterStrategy
 from .tracking import is_main, log0
 from .trainer import fit
@@ -111,6 +111,9 @@ def build(cfg: TrainConfig) -> Built:
     if init is not None:
         module.load_state_dict(init, strict=True)
         log0(f"drafter initialised from {cfg.init_from}")
+    if cfg.init_layers == "target":
+        picked = start_from_target_layers(module, target.get_decoder().layers)
+        log0(f"drafter decoder layers initialised from the target's layers {picked}")
     head = TargetHead.of(target, copy=True) if cfg.features == "offline" else None
     teacher = target if cfg.features == "online" else None
     strategy = train_spec(cfg.drafter.name).strategy(module, teacher, layers, cfg.loss, cfg.strategy, head)
@@ -151,6 +154,8 @@ def train(cfg: TrainConfig, resolved: dict | None = None) -> dict[str, float]:
         }
         if cfg.init_from:
             card["init_from"] = cfg.init_from
+        if cfg.init_layers != "random":
+            card["init_layers"] = cfg.init_layers
         step = step_dir(cfg.trainer.output_dir, int(metrics["step"]))
         best = read_best(cfg.trainer.output_dir)
         if best is not None:  # the best validation step, as speculators keeps it

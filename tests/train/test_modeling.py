@@ -10,6 +10,7 @@ from specblock.train.modeling import (
     SpecBlockConfig,
     build_vocab_map,
     count_tokens,
+    start_from_target_layers,
 )
 from specblock.train.modeling.specblock import layer_shift, rank_features
 from specblock.train.modeling.vocab import target_to_draft_ids
@@ -198,3 +199,54 @@ def test_layer_shift_feeds_the_previous_slot():
     base = drafter(feats, ids).logits
     with perturbed_fusion(drafter, [(2, 1)]):
         assert same(drafter(feats, ids).logits[:, 2, 2], base[:, 2, 2])
+
+
+# ---------------------------------------------------------------- decoder layers from the target's
+
+
+def test_specblock_layers_start_as_the_targets_top_layers():
+    drafter, target, feats, ids = make("specblock", "h48", num_layers=2)  # the target has 6 layers
+    before = {k: v.clone() for k, v in drafter.state_dict().items()}
+    assert start_from_target_layers(drafter, target.model.layers) == [4, 5]
+    for mine, theirs in zip(drafter.layers, target.model.layers[4:]):
+        theirs = theirs.state_dict()
+        for k, v in mine.state_dict().items():
+            assert torch.equal(v, theirs[k]), k
+    for k, v in drafter.state_dict().items():  # nothing outside the decoder layers moved
+        if not k.startswith("layers."):
+            assert torch.equal(v, before[k]), k
+    # the copies are the drafter's own parameters: training them leaves the target as it was
+    drafter.layers[0].mlp.up_proj.weight.data.add_(1.0)
+    assert not torch.equal(drafter.layers[0].mlp.up_proj.weight, target.model.layers[4].mlp.up_proj.weight)
+    assert drafter(feats, ids).logits.isfinite().all()
+
+
+def test_eagle3_layer_takes_the_target_layer_on_its_hidden_half():
+    drafter, target, _, _ = make("eagle3", "h48")
+    H = target.config.hidden_size
+    before = {k: v.clone() for k, v in drafter.midlayer.state_dict().items()}
+    assert start_from_target_layers(drafter, target.model.layers) == [5]
+    top, mid = target.model.layers[5].state_dict(), drafter.midlayer.state_dict()
+    for proj in ("q_proj", "k_proj", "v_proj"):  # input [embedding ; hidden]: the target's on the hidden half
+        key = f"self_attn.{proj}.weight"
+        assert torch.equal(mid[key][:, H:], top[key])
+        assert torch.equal(mid[key][:, :H], before[key][:, :H])
+    for key in ("self_attn.o_proj.weight", "mlp.down_proj.weight", "post_attention_layernorm.weight"):
+        assert torch.equal(mid[key], top[key])
+    assert torch.equal(mid["hidden_norm.weight"], top["input_layernorm.weight"])
+    assert torch.equal(mid["input_layernorm.weight"], before["input_layernorm.weight"])  # reads embeddings
+
+
+def test_target_layers_that_do_not_fit_are_refused_by_name():
+    drafter, _, _, _ = make("specblock", "h32", num_layers=3)
+    small = make_target(*SHAPES["h32"])  # 2 layers
+    with pytest.raises(ValueError, match="3 decoder layers, the target 2"):
+        start_from_target_layers(drafter, small.model.layers)
+    drafter, _, _, _ = make("specblock", "h32", num_layers=1)
+    other = make_target(*SHAPES["h48"])  # another width
+    with pytest.raises(
+        ValueError, match=r"self_attn.q_proj.weight \(\(48, 48\) in the target, \(32, 32\) here\)"
+    ):
+        start_from_target_layers(drafter, other.model.layers)
+    with pytest.raises(ValueError, match="names no decoder_layers"):
+        start_from_target_layers(torch.nn.Linear(2, 2), small.model.layers)

@@ -2,6 +2,7 @@
 export -> load back; a run killed mid-way and resumed ends bit-identical to an uninterrupted one;
 offline features and the EAGLE-3 baseline go through the same loop."""
 
+import dataclasses
 import importlib.resources
 import logging
 import json
@@ -190,6 +191,24 @@ def test_a_run_initialised_from_an_exported_drafter_starts_from_its_weights(make
     cfg.init_from = base.output_dir + "/drafter"
     with pytest.raises(ValueError, match=r"architecture \('eagle3' there, 'specblock' here\)"):
         run_mod.build(cfg)
+
+
+def test_init_layers_target_starts_the_decoder_layers_from_the_targets_top_layers(make_cfg, tiny_chat):
+    cfg = make_cfg(name="specblock", out="from-target", max_steps=1)
+    cfg.init_layers = "target"
+    drafter = run_mod.build(cfg).strategy.module
+    target = tiny_chat[0].model.layers
+    n = len(drafter.layers)
+    for mine, theirs in zip(drafter.layers, target[len(target) - n :]):
+        for k, v in theirs.state_dict().items():
+            assert torch.equal(mine.state_dict()[k], v), k
+    run_mod.train(cfg)
+    card = (Path(cfg.output_dir) / "drafter" / "README.md").read_text()
+    assert "decoder layers initialised from: the target's top layers" in card
+    with pytest.raises(ValueError, match="init_layers='target' would set its decoder layers too"):
+        dataclasses.replace(cfg, init_from=cfg.output_dir + "/drafter")
+    with pytest.raises(ValueError, match=r"init_layers='top' is not one of \('random', 'target'\)"):
+        dataclasses.replace(cfg, init_layers="top")
 
 
 def test_validation_keeps_and_exports_the_best_step(make_cfg, caplog):

@@ -9,7 +9,7 @@ their training strategy, is train/drafters.py.
 
 from __future__ import annotations
 
-from .common import DraftCache, DrafterConfig, DrafterOutput, DraftStep, shift_left
+from .common import DraftCache, DrafterConfig, DrafterOutput, DraftStep, shift_left, start_from_target_layers
 from .eagle3 import Eagle3Config, Eagle3Drafter
 from .specblock import SpecBlockConfig, SpecBlockDrafter, block_offsets
 from .vocab import build_vocab_map, count_tokens
@@ -27,4 +27,5 @@ __all__ = [
     "build_vocab_map",
     "count_tokens",
     "shift_left",
+    "start_from_target_layers",
 ]

@@ -6,6 +6,8 @@ What a drafter module offers (the training and evaluation stages rely on nothing
 - attributes `cfg` (its `DrafterConfig` subclass), `block_size` (K: the positions one training forward
   predicts), `d2t` [Vd] (draft id -> target id), `t2d` [V] and `lm_head` (Linear(H, Vd));
 - `forward(features [B,T,F*H], input_ids [B,T], attention_mask [B,T]) -> DrafterOutput` (training);
+- optionally `decoder_layers` (its `DecoderLayer`s, bottom to top), which `init_layers=target` starts from
+  the target's top layers (`start_from_target_layers`);
 - `extend(condition [B,N,F*H], tokens [B,N], past, *, position) -> DraftStep` over N consecutive context
   positions, and `draft(condition [B,H] or [B,F*H], token [B], past, *, position, offset, inherited)
   -> DraftStep` at one position per row (decoding; evaluate/decoding/drafting.py).
@@ -182,6 +184,59 @@ class DecoderLayer(nn.Module):
         out, kv = self.self_attn(attn_in, rope, mask, extra)
         h = residual + out
         return h + self.mlp(self.post_attention_layernorm(h)), kv
+
+    def load_target_layer(self, target_layer: nn.Module) -> None:
+        """Starts this layer as a copy of a Llama-style decoder layer of the target (the same parameter
+        names; what only the target has, e.g. Qwen3's q/k norms, is not read). A projection that reads a
+        wider input than the target's (EAGLE-3's [embedding ; hidden]) gets the target's weights on its
+        last columns, the hidden half, and keeps its own initialisation on the rest. One error names the
+        parameters the target lacks or whose shapes do not fit."""
+        theirs = target_layer.state_dict()
+        wrong = []
+        with torch.no_grad():
+            for name, param in self.named_parameters():
+                key = self.target_key(name)
+                if key is None:
+                    continue
+                src = theirs.get(key)
+                if src is not None and src.shape == param.shape:
+                    param.copy_(src)
+                elif src is not None and wider(src, param):
+                    param[:, -src.shape[1] :].copy_(src)  # the hidden half of a wider input
+                else:
+                    there = "missing" if src is None else str(tuple(src.shape))
+                    wrong.append(f"{name} ({there} in the target, {tuple(param.shape)} here)")
+        if wrong:
+            raise ValueError(f"the target's decoder layer does not fit the drafter's: {'; '.join(wrong)}")
+
+    def target_key(self, name: str) -> str | None:
+        """The target layer's parameter this layer's `name` starts from (None: keep its own)."""
+        return name
+
+
+def start_from_target_layers(drafter: nn.Module, target_layers: nn.ModuleList) -> list[int]:
+    """Copies the target's top decoder layers into the drafter's (`drafter.decoder_layers`, bottom to
+    top: drafter layer i starts as target layer L - n + i of L) and returns the target layer indices.
+    The top layers are the ones whose output the target's norm and LM head read, as the drafter's is."""
+    layers = getattr(drafter, "decoder_layers", None)
+    if layers is None:
+        raise ValueError(f"{type(drafter).__name__} names no decoder_layers to start from the target's")
+    n, L = len(layers), len(target_layers)
+    if n > L:
+        raise ValueError(f"the drafter has {n} decoder layers, the target {L}")
+    for layer, source in zip(layers, target_layers[L - n :]):
+        layer.load_target_layer(source)
+    return list(range(L - n, L))
+
+
+def wider(src: Tensor, param: Tensor) -> bool:
+    """Whether `param` [out, in'] reads a wider input than `src` [out, in] (in < in')."""
+    return (
+        src.dim() == 2
+        and param.dim() == 2
+        and src.shape[0] == param.shape[0]
+        and src.shape[1] < param.shape[1]
+    )
 
 
 # ---------------------------------------------------------------- masks

@@ -70,6 +70,13 @@ class Eagle3Layer(DecoderLayer):
         x = torch.cat([self.input_layernorm(emb), self.hidden_norm(h)], dim=-1)  # [B,L,2H]
         return self.attend(h, x, rope, mask, extra)
 
+    def target_key(self, name: str) -> str | None:
+        """The target layer's input norm starts the hidden half's norm; the embedding half's norm keeps
+        its own (ones): a target layer never reads token embeddings there."""
+        if name.startswith("input_layernorm."):
+            return None
+        return name.replace("hidden_norm.", "input_layernorm.", 1)
+
 
 class Eagle3Drafter(nn.Module):
     """See the module docstring. Built from the target's config, embedding [V,H], LM head [V,H] and d2t."""
@@ -98,6 +105,10 @@ class Eagle3Drafter(nn.Module):
         self.rotary = Rotary(lcfg)
         self.register_buffer("d2t", d2t)
         self.register_buffer("t2d", t2d_from_d2t(d2t, V))
+
+    @property
+    def decoder_layers(self) -> list[DecoderLayer]:
+        return [self.midlayer]
 
     def forward(
         self,

@@ -196,6 +196,10 @@ class SpecBlockDrafter(nn.Module):
         self.register_buffer("d2t", d2t)
         self.register_buffer("t2d", t2d_from_d2t(d2t, V))
 
+    @property
+    def decoder_layers(self) -> list[DecoderLayer]:
+        return list(self.layers)
+
     # ------------------------------------------------------------ training
 
     def forward(
