@@ -5,6 +5,11 @@ Markdown table and a plot against training tokens and training wall-clock.
     python scripts/scaling_curve.py checkpoints/cpu_full-specblock checkpoints/cpu_full-eagle3
     python scripts/scaling_curve.py RUN [RUN ...] --limit 4 --max-new-tokens 64 --out docs/scaling_curve
     python scripts/scaling_curve.py RUN [RUN ...] --steps 180 400 480   # these first, the rest later
+    python scripts/scaling_curve.py NEW_RUN --earlier docs/scaling_curve.json --out docs/scaling_curve
+
+`--earlier` keeps the points of an earlier curve (its JSON) for the runs not named now: checkpoint folders
+are outputs that a machine may not keep (ours loses them between sessions), the committed JSON stays, so a
+new run is drawn beside the old ones without retraining them. Its points must carry the same settings.
 
 Checkpoints are the step folders a run kept (`trainer.keep_every` milestones, the best and the last
 ones); each is exported once to `<run>/curve/<step>/drafter` and evaluated once (`<run>/curve/<step>/eval`,
@@ -125,6 +130,24 @@ def chosen(run: Path, args) -> list[Path]:
     return sorted([*steps, *pruned_points(run, args)], key=lambda p: p.name)
 
 
+def earlier_points(path: Path, runs: list[Path], args) -> list[dict]:
+    """The points of an earlier curve's JSON whose run is not among `runs` (those are evaluated now).
+    A file made with other settings (prompts, tokens, datasets) is refused, naming what differs: its
+    points would not be comparable."""
+    data = json.loads(path.read_text())
+    points, made = (data["points"], data.get("settings")) if isinstance(data, dict) else (data, None)
+    if made is not None and made != wanted(args):
+        now = wanted(args)
+        differ = [
+            f"{k}: {made.get(k)} there, {now.get(k)} now"
+            for k in sorted(set(made) | set(now))
+            if made.get(k) != now.get(k)
+        ]
+        raise SystemExit(f"{path}: an earlier curve made with other settings ({'; '.join(differ)})")
+    names = {run.name for run in runs}
+    return [p for p in points if p["run"] not in names]
+
+
 def table(points: list[dict]) -> str:
     head = (
         "| run | step | training tokens | training minutes | tree GSM8K | tree overall | chain overall "
@@ -176,12 +199,20 @@ def main() -> None:
         help="evaluate only these steps now (checkpoints already evaluated stay in the table); default all",
     )  # fmt: skip
     ap.add_argument("--out", type=Path, default=Path("docs/scaling_curve"), help="writes OUT.md and OUT.png")
+    ap.add_argument(
+        "--earlier", type=Path,
+        help="an earlier curve's JSON: its points of runs not named here stay in the table and the plot",
+    )  # fmt: skip
     args = ap.parse_args()
-    points = [point(run, step, args) for run in args.runs for step in chosen(run, args)]
+    old = earlier_points(args.earlier, args.runs, args) if args.earlier else []
+    points = old + [point(run, step, args) for run in args.runs for step in chosen(run, args)]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     text = table(points)
     args.out.with_suffix(".md").write_text(text)
-    args.out.with_suffix(".json").write_text(json.dumps(points, indent=2) + "\n")
+    doc = {"settings": wanted(args), "points": points}
+    tmp = args.out.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(doc, indent=2) + "\n")
+    tmp.replace(args.out.with_suffix(".json"))
     plot(points, args.out.with_suffix(".png"))
     print(text)
 

@@ -69,3 +69,29 @@ def test_a_cached_point_stays_on_the_curve_after_its_checkpoint_is_pruned(tmp_pa
         "step_000200",
         "step_000300",
     ]
+
+
+def test_an_earlier_curve_keeps_the_points_of_runs_not_evaluated_now(tmp_path):
+    old = [
+        {"run": "gone-specblock", "step": 40, "tokens": 1, "minutes": 1.0},
+        {"run": "gone-eagle3", "step": 100, "tokens": 2, "minutes": 2.0},
+        {"run": "new-run", "step": 40, "tokens": 3, "minutes": 3.0},  # evaluated again now: dropped
+    ]
+    listed = tmp_path / "list.json"  # the format of curves made before the settings were recorded
+    listed.write_text(json.dumps(old))
+    kept = curve.earlier_points(listed, [tmp_path / "new-run"], ARGS)
+    assert [p["run"] for p in kept] == ["gone-specblock", "gone-eagle3"]
+    with_settings = tmp_path / "doc.json"
+    with_settings.write_text(json.dumps({"settings": curve.wanted(ARGS), "points": old}))
+    assert curve.earlier_points(with_settings, [], ARGS) == old
+
+
+def test_an_earlier_curve_made_with_other_settings_is_refused_naming_them(tmp_path):
+    doc = tmp_path / "doc.json"
+    doc.write_text(json.dumps({"settings": {**curve.wanted(ARGS), "limit": 4}, "points": []}))
+    try:
+        curve.earlier_points(doc, [], ARGS)
+    except SystemExit as exc:
+        assert "limit" in str(exc) and str(doc) in str(exc) and "max_new_tokens" not in str(exc)
+    else:
+        raise AssertionError("a curve made with other settings was accepted")
