@@ -25,6 +25,7 @@ import argparse
 import json
 from pathlib import Path
 
+from specblock.data.io import write_json_atomic
 from specblock.data.logs import setup_logging
 from specblock.evaluate.config import EvalConfig
 from specblock.evaluate.reporting.report import read_jsonl
@@ -136,8 +137,8 @@ def earlier_points(path: Path, runs: list[Path], args) -> list[dict]:
     points would not be comparable."""
     data = json.loads(path.read_text())
     points, made = (data["points"], data.get("settings")) if isinstance(data, dict) else (data, None)
-    if made is not None and made != wanted(args):
-        now = wanted(args)
+    now = wanted(args)
+    if made is not None and made != now:
         differ = [
             f"{k}: {made.get(k)} there, {now.get(k)} now"
             for k in sorted(set(made) | set(now))
@@ -209,10 +210,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     text = table(points)
     args.out.with_suffix(".md").write_text(text)
-    doc = {"settings": wanted(args), "points": points}
-    tmp = args.out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(doc, indent=2) + "\n")
-    tmp.replace(args.out.with_suffix(".json"))
+    write_json_atomic(args.out.with_suffix(".json"), {"settings": wanted(args), "points": points})
     plot(points, args.out.with_suffix(".png"))
     print(text)
 
