@@ -23,7 +23,12 @@ SmolLM2 costs ~2.4x a one-token step, on an H200 it costs about the same as one.
 - The tree's depth: before each further drafter round (an EAGLE step, a SpecBlock block round) the
   round is drafted only if children as likely as their parents (optimistic) could raise the best
   rate with that round's cost (`round`, the running mean per round) added to `fixed`; the first round
-  comes with the root and costs nothing.
+  comes with the root and costs nothing. Optimism is then checked against the round's measured record
+  (`round_pays`): over the iterations that drafted further round r, the accepted nodes, kept nodes and
+  drafter rounds that rounds >= r added (decayed means g, b, k); the round is drafted only if
+  (1 + c S_B + g) / (fixed + k * round + forward(B + 1 + b)) beats the tree without it, or as a probe every
+  PROBE_EVERY-th time it is asked. A one-block SpecBlock drafter's second round (a block it never trained)
+  added 0.13 accepted nodes for 9 ms here and is now mostly cut (`scripts/ab_tree_rounds.py`, README).
 
 The chosen B maximises the model over 1 <= B <= the nodes drafted.
 
@@ -162,6 +167,17 @@ class AutoBudget:
     solo_weight: float = 0.0  # weights
     skipped: int = 0  # iterations the gate decided without the drafter (plain steps or a chain alone)
     since_drafter: int = 0  # consecutive such iterations (PROBE_EVERY)
+    # trees: what the further drafter rounds were measured to add, per round r >= 1 (r = 1: the tree's
+    # second round), decayed sums (SOLO_DECAY) over the iterations that drafted round r: accepted nodes and
+    # kept nodes from rounds >= r, drafter rounds >= r, weights; and the iterations that measured it
+    round_gain: dict[int, float] = field(default_factory=dict)
+    round_nodes: dict[int, float] = field(default_factory=dict)
+    round_calls: dict[int, float] = field(default_factory=dict)
+    round_weight: dict[int, float] = field(default_factory=dict)
+    round_seen: dict[int, int] = field(default_factory=dict)
+    round_since: dict[int, int] = field(default_factory=dict)  # times round r was asked and refused since
+    rounds_cut: int = 0  # further rounds the measured record refused (for the report)
+    tree_rounds: int = 0  # further rounds drafted in this iteration's tree so far
 
     @property
     def c(self) -> float:
@@ -211,9 +227,52 @@ class AutoBudget:
         front = [math.exp(s) for s in frontier]
         hoped = sorted(conf + front, reverse=True)
         best = choose_budget(hoped, self.forward, self.fixed_ms + self.round_ms, self.c)
-        if best.rate <= now:
+        if best.rate <= now or not self.round_pays(self.tree_rounds + 1, conf):
             return 0
+        self.tree_rounds += 1
         return sum(a >= hoped[best.size - 1] for a in front)
+
+    def round_pays(self, r: int, conf: list[float]) -> bool:
+        """Whether further round r (1: the tree's second) is expected to pay by its measured record: the best
+        tree without it, (1 + c S_B) / (fixed + forward(B + 1)), against (1 + c S_B + g) / (fixed + k round +
+        forward(B + 1 + b)), g, b, k the decayed means of the accepted nodes, kept nodes and drafter rounds
+        that rounds >= r added where they ran. Optimism alone (`more_rounds`) drafts rounds that a weakly
+        trained later block (a SpecBlock drafter trained with one block, whose second round reuses it
+        untrained) or a deep EAGLE step does not repay. Until GATE_MIN iterations have measured round r,
+        and every PROBE_EVERY-th time it is asked, it is drafted (the record follows the text). Reads past
+        iterations only, so the output stays exact (any ancestor-closed draft tree is valid)."""
+        if self.round_seen.get(r, 0) < GATE_MIN or self.round_since.get(r, 0) + 1 >= PROBE_EVERY:
+            self.round_since[r] = 0
+            return True
+        w = self.round_weight[r]
+        g, b, k = self.round_gain[r] / w, self.round_nodes[r] / w, self.round_calls[r] / w
+        if conf:
+            size = choose_budget(conf, self.forward, self.fixed_ms, self.c).size
+        else:
+            size = 0
+        gain = 1.0 + self.c * sum(conf[:size])
+        without = gain / (self.fixed_ms + self.forward(size + 1))
+        with_round = (gain + g) / (self.fixed_ms + k * self.round_ms + self.forward(round(size + 1 + b)))
+        if with_round > without:
+            self.round_since[r] = 0
+            return True
+        self.round_since[r] = self.round_since.get(r, 0) + 1
+        self.rounds_cut += 1
+        return False
+
+    def observe_round_yield(self, kept_rounds: list[int], accepted_rounds: list[int]) -> None:
+        """After verifying a drafter tree with `tree_rounds` further rounds: kept_rounds, the round of each
+        node it kept (root excluded); accepted_rounds, of each accepted node. Resets `tree_rounds`."""
+        for r in range(1, self.tree_rounds + 1):
+            self.round_seen[r] = self.round_seen.get(r, 0) + 1
+            for stats, v in (
+                (self.round_gain, sum(x >= r for x in accepted_rounds)),
+                (self.round_nodes, sum(x >= r for x in kept_rounds)),
+                (self.round_calls, self.tree_rounds - r + 1),
+                (self.round_weight, 1),
+            ):
+                stats[r] = SOLO_DECAY * stats.get(r, 0.0) + v
+        self.tree_rounds = 0
 
     def observe_rounds(self, rounds: int, seconds: float) -> None:
         self.rounds += rounds

@@ -115,7 +115,9 @@ def specblock_tree(root: Root, cfg: TreeConfig, more: MoreRounds | None = None) 
                     break
                 top = logp[k].topk(width)
                 ids = d2t[top.indices].tolist()
-                children = [tree.add(node, t, tree.score[node] + float(s)) for t, s in zip(ids, top.values)]
+                children = [
+                    tree.add(node, t, tree.score[node] + float(s), step) for t, s in zip(ids, top.values)
+                ]
                 pending += [Leaf(tree.score[c], c, b, k) for c in children[1:]]
                 if width > 1 or k == K - 1:  # a branching slot's greedy node, and the chain's end
                     pending.append(Leaf(tree.score[children[0]], children[0], b, k))
@@ -190,7 +192,7 @@ def eagle_tree(root: Root, cfg: TreeConfig, more: MoreRounds | None = None) -> D
         for y, lg in zip(frontier, logits):
             top = _draft_logprobs(lg).topk(cfg.topk)
             for t, s in zip(root.session.d2t[top.indices].tolist(), top.values):
-                n = tree.add(node_of[y], t, tree.score[node_of[y]] + float(s))
+                n = tree.add(node_of[y], t, tree.score[node_of[y]] + float(s), step)
                 node_of[y + (t,)] = n
                 layer.append(Child(tree.score[n], n, y + (t,)))
         frontier = [c.prefix for c in sorted(layer, key=lambda c: (-c.score, c.node))[: cfg.beam]]

@@ -84,6 +84,7 @@ class Drafts:
             return root.session.tree(root, cfg.tree)
         calls, seconds = self.drafter.cost.calls, self.drafter.cost.seconds
         auto = self.auto
+        auto.tree_rounds = 0  # counted by more_rounds, read back after the verification (loop.py)
         more = (
             (lambda scores, frontier: auto.more_rounds(scores + extra, frontier))
             if extra

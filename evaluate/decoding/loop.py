@@ -291,6 +291,8 @@ class SpeculativeDecoder:
         verify_seconds = time.perf_counter() - t0 - (self.drafter.cost.seconds - drafted_before)
         path = verified.path
         self._drafter_accepted = len(path)
+        if self.auto is not None and self.auto.tree_rounds:  # what the tree's further rounds added
+            self.auto.observe_round_yield(tree.rounds[1:], [tree.rounds[n] for n in path])
         if self.graft is not None:  # who drafted the accepted nodes (drafting is all done by now)
             self._drafter_accepted = self.graft.observe(path, tree, self.auto, self.drafter.cost.seconds)
         emitted = [tree.tokens[n] for n in path] + [verified.next_token]

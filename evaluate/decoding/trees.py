@@ -65,20 +65,26 @@ class DraftTree:
     tokens: list[int] = field(default_factory=lambda: [-1])
     depth: list[int] = field(default_factory=lambda: [0])
     score: list[float] = field(default_factory=lambda: [0.0])  # cumulative draft log-prob
+    # the drafter round that drafted each node (0: the first, whose logits come with the root; a lookup
+    # chain's nodes too): the auto budget measures what each further round adds (budget.py)
+    rounds: list[int] = field(default_factory=lambda: [0])
 
     def __len__(self) -> int:
         return len(self.parents)
 
-    def add(self, parent: int, token: int, score: float) -> int:
-        """A child of `parent`; a sibling with the same token is reused (keeping the better score)."""
+    def add(self, parent: int, token: int, score: float, round: int = 0) -> int:
+        """A child of `parent` drafted in drafter round `round`; a sibling with the same token is reused
+        (keeping the better score and the earlier round)."""
         for n in range(1, len(self.parents)):
             if self.parents[n] == parent and self.tokens[n] == token:
                 self.score[n] = max(self.score[n], score)
+                self.rounds[n] = min(self.rounds[n], round)
                 return n
         self.parents.append(parent)
         self.tokens.append(token)
         self.depth.append(self.depth[parent] + 1)
         self.score.append(score)
+        self.rounds.append(round)
         return len(self.parents) - 1
 
     def pruned(self, budget: int) -> Pruned:
@@ -93,12 +99,13 @@ class DraftTree:
                 p = self.parents[p]
         old = [0, *sorted(keep)]
         new_of = {o: i for i, o in enumerate(old)}
-        out = DraftTree([-1], [-1], [0], [0.0])
+        out = DraftTree([-1], [-1], [0], [0.0], [0])
         for o in old[1:]:
             out.parents.append(new_of[self.parents[o]])
             out.tokens.append(self.tokens[o])
             out.depth.append(self.depth[o])
             out.score.append(self.score[o])
+            out.rounds.append(self.rounds[o])
         return Pruned(out, old)
 
     def path_tokens(self, n: int) -> Prefix:

@@ -16,7 +16,7 @@ from specblock.evaluate.decoding.budget import (
     measure_forward_curve,
 )
 from specblock.evaluate.config import EvalConfig
-from specblock.evaluate.decoding.trees import TreeConfig
+from specblock.evaluate.decoding.trees import DraftTree, TreeConfig
 
 
 def test_forward_curve_interpolates_and_never_decreases():
@@ -131,3 +131,49 @@ def test_the_gate_without_a_chain_weighs_a_plain_step_against_the_drafter():
     for _ in range(3):  # the probes find a stretch the drafter knows: 3 of 4 nodes accepted
         auto.observe_solo(3, 4, 0.010)
     assert auto.lookup_alone(0) is None and auto.lookup_alone(0) is None
+
+
+def test_a_further_round_that_its_record_says_does_not_pay_is_cut_with_probes():
+    """Optimism drafts a round whenever children as likely as their parents could pay; the measured record
+    of what that round added where it ran (accepted and kept nodes, drafter rounds) then decides: a round
+    that added nothing is cut, except every PROBE_EVERY-th time it is asked, and a record that shows it
+    paying keeps it."""
+    auto = AutoBudget(curve=ForwardCurve([1, 64], [50.0, 50.0 + 63 * 1.0]))
+    auto.observe_rounds(1, 0.008)  # 8 ms a round
+    scores, frontier = [math.log(0.6), math.log(0.3)], [math.log(0.5), math.log(0.4)]
+    for _ in range(GATE_MIN):  # measured: round 1 adds 3 kept nodes and accepts none of them
+        auto.tree_rounds = 0
+        assert auto.more_rounds(scores, frontier) and auto.tree_rounds == 1
+        auto.observe_round_yield([0, 0, 1, 1, 1], [0])
+        assert auto.tree_rounds == 0
+    asked = []
+    for _ in range(2 * PROBE_EVERY):
+        asked.append(bool(auto.more_rounds(scores, frontier)))
+        if asked[-1]:  # a probe: round 1 ran and added nothing again
+            auto.observe_round_yield([0, 0, 1, 1, 1], [])
+    assert asked == ([False] * (PROBE_EVERY - 1) + [True]) * 2
+    assert auto.rounds_cut == 2 * (PROBE_EVERY - 1)
+    for _ in range(4):  # a stretch where the round's blocks are accepted: 2 of its 3 nodes
+        auto.tree_rounds = 1
+        auto.observe_round_yield([0, 0, 1, 1, 1], [0, 1, 1])
+    assert auto.more_rounds(scores, frontier)
+
+
+def test_the_round_record_counts_every_later_round_for_an_earlier_one():
+    """Round r's record counts the nodes of every round >= r (a round that only opens the next one, as an
+    EAGLE step does, is credited with what the next one adds) and the drafter rounds they cost."""
+    auto = AutoBudget(curve=ForwardCurve([1, 64], [50.0, 50.0]))
+    auto.tree_rounds = 2
+    auto.observe_round_yield([0, 1, 2, 2], [0, 1, 2])
+    assert auto.round_gain == {1: 2.0, 2: 1.0} and auto.round_nodes == {1: 3.0, 2: 2.0}
+    assert auto.round_calls == {1: 2.0, 2: 1.0} and auto.round_seen == {1: 1, 2: 1}
+
+
+def test_tree_nodes_keep_the_round_that_drafted_them():
+    tree = DraftTree()
+    a = tree.add(0, 5, -0.1)
+    b = tree.add(a, 6, -0.5, round=1)
+    c = tree.add(0, 7, -2.0, round=1)
+    assert tree.add(a, 6, -0.4, round=2) == b and tree.rounds == [0, 0, 1, 1]  # reused: the earlier round
+    kept = tree.pruned(2)
+    assert kept.tree.rounds == [0, 0, 1] and kept.old == [0, a, b] and c not in kept.old
