@@ -14,8 +14,8 @@ export PYTHONUNBUFFERED=1  # the log shows each line as it is written (validatio
 # Steps for about 90 minutes each on this session's 2-core AMD EPYC (measured at the start of session 6,
 # shared with test runs: ~28-40 s per SpecBlock step of 8 rows of ~350 tokens; EAGLE-3 ~1/3 of that).
 # The curriculum ends halfway; milestones every ~20 minutes of training for the scaling curve.
-# Session 17: SpecBlock trains one TTT block a step, 360 steps in ~54 min on a quiet 2-core EPYC.
-steps_specblock="${SPECBLOCK_STEPS:-360}"; milestones_specblock=120
+# Session 17: SpecBlock trains one TTT block a step; session 18: 600 such steps in ~69 min on a quiet 2-core EPYC.
+steps_specblock="${SPECBLOCK_STEPS:-600}"; milestones_specblock=120
 steps_eagle3="${EAGLE3_STEPS:-480}"; milestones_eagle3=100
 
 for drafter in specblock eagle3; do
