@@ -20,7 +20,7 @@ OLD = "tree@auto, rounds by optimism alone"
 class Optimistic(budget.AutoBudget):
     """The rule before: a further round is drafted whenever optimism says it could pay."""
 
-    def round_pays(self, r, conf):
+    def round_pays(self, r, conf, tree):
         return True
 
 

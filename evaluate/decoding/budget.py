@@ -223,18 +223,20 @@ class AutoBudget:
         drafting (`round_ms`) is paid; then only the frontier nodes whose children could be among that
         optimistic best budget's nodes are worth it (a child is never likelier than its parent)."""
         conf = sorted((math.exp(s) for s in scores), reverse=True)
-        now = choose_budget(conf, self.forward, self.fixed_ms, self.c).rate if conf else 0.0
+        tree = choose_budget(conf, self.forward, self.fixed_ms, self.c) if conf else None
+        now = tree.rate if tree else 0.0
         front = [math.exp(s) for s in frontier]
         hoped = sorted(conf + front, reverse=True)
         best = choose_budget(hoped, self.forward, self.fixed_ms + self.round_ms, self.c)
-        if best.rate <= now or not self.round_pays(self.tree_rounds + 1, conf):
+        if best.rate <= now or not self.round_pays(self.tree_rounds + 1, conf, tree):
             return 0
         self.tree_rounds += 1
         return sum(a >= hoped[best.size - 1] for a in front)
 
-    def round_pays(self, r: int, conf: list[float]) -> bool:
+    def round_pays(self, r: int, conf: list[float], tree: Choice | None) -> bool:
         """Whether further round r (1: the tree's second) is expected to pay by its measured record: the best
-        tree without it, (1 + c S_B) / (fixed + forward(B + 1)), against (1 + c S_B + g) / (fixed + k round +
+        tree without it (`tree`: the budget B chosen over the confidences `conf`, None for no node), (1 + c
+        S_B) / (fixed + forward(B + 1)), against (1 + c S_B + g) / (fixed + k round +
         forward(B + 1 + b)), g, b, k the decayed means of the accepted nodes, kept nodes and drafter rounds
         that rounds >= r added where they ran. Optimism alone (`more_rounds`) drafts rounds that a weakly
         trained later block (a SpecBlock drafter trained with one block, whose second round reuses it
@@ -246,12 +248,9 @@ class AutoBudget:
             return True
         w = self.round_weight[r]
         g, b, k = self.round_gain[r] / w, self.round_nodes[r] / w, self.round_calls[r] / w
-        if conf:
-            size = choose_budget(conf, self.forward, self.fixed_ms, self.c).size
-        else:
-            size = 0
+        size = tree.size if tree else 0
         gain = 1.0 + self.c * sum(conf[:size])
-        without = gain / (self.fixed_ms + self.forward(size + 1))
+        without = tree.rate if tree else gain / (self.fixed_ms + self.forward(1))
         with_round = (gain + g) / (self.fixed_ms + k * self.round_ms + self.forward(round(size + 1 + b)))
         if with_round > without:
             self.round_since[r] = 0
