@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 import os
 import statistics
 import time
@@ -28,7 +29,7 @@ import torch
 from filelock import FileLock
 
 from .io import atomic_path
-from .packed import pack_linears, packing_available, unpack_linears
+from .packed import PACKED_DTYPES, pack_linears, packable_dtypes, unpack_linears
 
 log = logging.getLogger(__name__)
 
@@ -136,10 +137,16 @@ def bf16_matmul_pays() -> bool:
 # same values through another kernel: results differ in the last bits (max |logit difference| 1e-4), so the
 # target and every decoder of one comparison share one layout. Session 15: "packed" (data/packed.py, MKL's
 # packed product) beats both at 4-32 rows and leaves 1-3 rows to the plain product, so `auto` measures a
-# decoding step's products row-major against packed; column-major stays a manual choice.
-WEIGHT_LAYOUTS = ("row", "column", "packed")
+# decoding step's products row-major against packed; column-major stays a manual choice. Session 19: bf16
+# has a packed product too (oneDNN's, data/packed.py), and a CPU may gain in one precision and lose in the
+# other (the AMD EPYC of sessions 17-19: float32 packed 31 % slower, bf16 packed 18 % faster per decoding
+# step), so `auto` measures each precision on its own and packs only where it pays: "packed-float32" or
+# "packed-bfloat16" pack one precision, "packed" both.
+WEIGHT_LAYOUTS = ("row", "column", "packed", "packed-float32", "packed-bfloat16")
 AUTO_LAYOUTS = ("row", "packed")  # what `auto` weighs; column-major is a manual choice (README, session 15)
 LAYOUT_ROWS = (4, 8)  # rows of a small tree's or chain's products (1-3 rows take the plain product anyway)
+BF16_LAYOUT_ROWS = (1, 4, 8)  # bf16 packs one-token steps too (data/packed.py)
+LAYOUT_FILES = {"float32": "linear_layouts.json", "bfloat16": "linear_layouts_bfloat16.json"}
 # [in, out] of a SmolLM2-sized layer's seven linears (q, k, v, o, gate, up, down), LAYOUT_LAYERS of them,
 # then its LM head: 450 MB of float32 weights, more than a server CPU's last-level cache (260 MB on the
 # session-15 Xeon), as a decoding step's are.
@@ -156,18 +163,25 @@ def layout_ms(
     layers: int = LAYOUT_LAYERS,
     layouts=AUTO_LAYOUTS,
     head: tuple[int, int] | None = LAYOUT_HEAD,
+    dtype: torch.dtype = torch.float32,
 ) -> dict[str, float]:
     """The fastest ms of the small products of a decoding step (every `rows` through `layers` x `shapes`,
-    then `head`) in each of `layouts` this build has (`alternating_ms`). They share the weights where they
-    can (row-major and packed: packed adds its copy; column-major has its own)."""
+    then `head`, in `dtype`) in each of `layouts` this build has (`alternating_ms`; a packed layout only
+    where it packs `dtype`). They share the weights where they can (row-major and packed: packed adds its
+    copy; column-major has its own)."""
     gen = torch.Generator().manual_seed(0)
     weights = [
-        torch.randn(n_out, n_in, generator=gen) * 0.02 for _ in range(layers) for n_in, n_out in shapes
+        (torch.randn(n_out, n_in, generator=gen) * 0.02).to(dtype)
+        for _ in range(layers)
+        for n_in, n_out in shapes
     ]
-    inputs = {w.shape[1]: {m: torch.randn(m, w.shape[1], generator=gen) for m in rows} for w in weights}
+    inputs = {
+        w.shape[1]: {m: torch.randn(m, w.shape[1], generator=gen).to(dtype) for m in rows} for w in weights
+    }
+    packs = next((d for d in packable_dtypes() if PACKED_DTYPES[d] == dtype), None)  # its packed kernel
     stacks = {}
     for name in layouts:
-        if name == "packed" and not packing_available():
+        if name.startswith("packed") and (packs is None or layout_dtypes(name) not in (None, [packs])):
             continue
         linears = [torch.nn.Linear(w.shape[1], w.shape[0], bias=False) for w in weights]
         for lin, w in zip(linears, weights):
@@ -187,10 +201,31 @@ def layout_ms(
 
 @functools.cache
 def fastest_layout() -> str:
-    """The weight layout of AUTO_LAYOUTS whose small-tree products are fastest on this CPU (`layout_ms`),
-    measured once per machine and kept."""
-    ms = measured("linear_layouts.json", lambda: layout_ms())
-    return min(ms, key=ms.get)
+    """The weight layout whose decoding-step products are fastest on this CPU: for each precision with a
+    packed kernel, row-major against packed (`layout_ms`; bf16 over one-token steps too), measured once per
+    machine and kept; "packed" where both precisions gain, "packed-<dtype>" where one does, else "row"."""
+    faster = []
+    for name in packable_dtypes():
+        rows = BF16_LAYOUT_ROWS if name == "bfloat16" else LAYOUT_ROWS
+        probe = functools.partial(layout_ms, rows=rows, dtype=PACKED_DTYPES[name])
+        ms = measured(LAYOUT_FILES[name], probe)
+        if ms.get("packed", math.inf) < ms["row"]:
+            faster.append(name)
+    return packed_layout(faster)
+
+
+def packed_layout(dtypes: list[str]) -> str:
+    """The layout that packs the linears in `dtypes` (names of data/packed.PACKED_DTYPES) and no others."""
+    if not dtypes:
+        return "row"
+    return "packed" if len(set(dtypes)) > 1 else f"packed-{dtypes[0]}"
+
+
+def layout_dtypes(layout: str) -> list[str] | None:
+    """The precisions a packed layout packs (None: every one this build has a kernel for); [] otherwise."""
+    if layout == "packed":
+        return None
+    return [layout.removeprefix("packed-")] if layout.startswith("packed-") else []
 
 
 def auto_layout(device: str) -> str:
@@ -206,13 +241,15 @@ def resolve_layout(layout: str, device: str) -> str:
 
 def set_weight_layout(module: torch.nn.Module, layout: str) -> int:
     """Stores every nn.Linear weight of `module` row-major ("row": [out, in] contiguous, as loaded),
-    column-major ("column": weight.t() contiguous) or row-major with an MKL-packed copy its forward reads
-    ("packed": data/packed.py), in place: the same values, shapes and parameters (a tied embedding shares
-    the new storage). Returns the number of linears that changed."""
+    column-major ("column": weight.t() contiguous) or row-major with a packed copy its forward reads
+    ("packed": in every precision with a packed kernel, "packed-float32" / "packed-bfloat16": in that one;
+    data/packed.py), in place: the same values, shapes and parameters (a tied embedding shares the new
+    storage). Returns the number of linears that changed."""
     if layout not in WEIGHT_LAYOUTS:
         raise ValueError(f"weight_layout={layout!r}: expected {', '.join(WEIGHT_LAYOUTS)} (or auto)")
     column = layout == "column"
-    changed = 0 if layout == "packed" else unpack_linears(module)  # packed again: keep the packed copies
+    packed = layout.startswith("packed")
+    changed = 0 if packed else unpack_linears(module)  # packed again: keep the packed copies
     for mod in module.modules():
         if isinstance(mod, torch.nn.Linear) and mod.weight.dim() == 2:
             w = mod.weight.data
@@ -220,6 +257,6 @@ def set_weight_layout(module: torch.nn.Module, layout: str) -> int:
                 continue  # already so (a tied weight met a second time)
             mod.weight.data = w.t().contiguous().t() if column else w.contiguous()
             changed += 1
-    if layout == "packed":
-        changed += pack_linears(module)
+    if packed:
+        changed += pack_linears(module, layout_dtypes(layout))
     return changed

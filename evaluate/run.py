@@ -207,7 +207,12 @@ def weight_layout(cfg: EvalConfig) -> str:
 LAYOUT_WORDS = {
     "row": "row-major linear weights",
     "column": "column-major linear weights",
-    "packed": "linear layers on MKL's packed product (a packed copy of each weight, data/packed.py)",
+    "packed": "linear layers on packed products (a packed copy of each weight: MKL's in float32, oneDNN's in "
+    "bfloat16; data/packed.py)",
+    "packed-float32": "linear layers on MKL's packed product in float32 (a packed copy of each weight, "
+    "data/packed.py), plain in bfloat16",
+    "packed-bfloat16": "linear layers on oneDNN's packed product in bfloat16 (a packed copy of each weight, "
+    "data/packed.py), plain in float32",
 }
 
 

@@ -10,7 +10,7 @@ import torch
 
 from specblock.data import hardware
 from specblock.data import packed
-from specblock.data.packed import PackedLinear, pack_linears, packing_available
+from specblock.data.packed import PackedLinear, bf16_packing_available, pack_linears, packing_available
 from specblock.data.target import TargetConfig, auto_dtype
 from specblock.train.accel import resolve_mixed_precision
 
@@ -120,18 +120,42 @@ def test_column_layout_keeps_values_parameters_and_ties():
 
 def test_the_measured_faster_layout_decides_on_a_cpu_and_is_kept(fresh, monkeypatch):
     calls = []
-    ms = {"row": 3.0, "packed": 2.5}
-    monkeypatch.setattr(hardware, "layout_ms", lambda: calls.append(1) or dict(ms))
+    ms = {torch.float32: {"row": 3.0, "packed": 2.5}, torch.bfloat16: {"row": 2.0, "packed": 2.5}}
+    monkeypatch.setattr(hardware, "packable_dtypes", lambda: ["float32", "bfloat16"])
+
+    def probe(**kw):
+        calls.append(kw["dtype"])
+        assert kw["rows"] == (
+            hardware.BF16_LAYOUT_ROWS if kw["dtype"] == torch.bfloat16 else hardware.LAYOUT_ROWS
+        )
+        return dict(ms[kw["dtype"]])
+
+    monkeypatch.setattr(hardware, "layout_ms", probe)
     assert hardware.auto_layout("cuda:0") == "row" and calls == []  # nothing to measure on a GPU
-    assert hardware.auto_layout("cpu") == "packed" and calls == [1]
+    assert hardware.auto_layout("cpu") == "packed-float32" and calls == [torch.float32, torch.bfloat16]
     kept = json.loads((fresh / "linear_layouts.json").read_text())
-    assert list(kept.values()) == [ms]
+    assert list(kept.values()) == [ms[torch.float32]]  # each precision in its own file
+    assert list(json.loads((fresh / "linear_layouts_bfloat16.json").read_text()).values()) == [
+        ms[torch.bfloat16]
+    ]
     hardware.fastest_layout.cache_clear()
-    monkeypatch.setattr(hardware, "layout_ms", lambda: calls.append(1) or {"row": 1.0, "packed": 2.0})
-    assert hardware.auto_layout("cpu") == "packed" and calls == [1]  # read back, not measured again
+    ms[torch.float32] = {"row": 1.0, "packed": 2.0}
+    assert (
+        hardware.auto_layout("cpu") == "packed-float32" and len(calls) == 2
+    )  # read back, not measured again
     (fresh / "linear_layouts.json").unlink()
+    (fresh / "linear_layouts_bfloat16.json").unlink()
     hardware.fastest_layout.cache_clear()
-    assert hardware.auto_layout("cpu") == "row" and calls == [1, 1]
+    assert hardware.auto_layout("cpu") == "row" and len(calls) == 4
+    for fp32, bf16, layout in ((2.5, 2.5, "packed"), (3.5, 2.5, "packed-bfloat16"), (3.5, 3.5, "row")):
+        for f in fresh.glob("linear_layouts*.json"):
+            f.unlink()
+        hardware.fastest_layout.cache_clear()
+        ms = {torch.float32: {"row": 3.0, "packed": fp32}, torch.bfloat16: {"row": 3.0, "packed": bf16}}
+        assert hardware.auto_layout("cpu") == layout
+    monkeypatch.setattr(hardware, "packable_dtypes", lambda: ["bfloat16"])  # a build without MKL
+    hardware.fastest_layout.cache_clear()
+    assert hardware.auto_layout("cpu") == "row" and calls[-1] == torch.bfloat16  # kept: not measured again
 
 
 def test_the_layout_probe_times_the_layouts_auto_weighs_or_any_others():
@@ -140,7 +164,7 @@ def test_the_layout_probe_times_the_layouts_auto_weighs_or_any_others():
     ms = hardware.layout_ms(
         rounds=1, rows=(4,), shapes=((8, 16),), layers=1, layouts=hardware.WEIGHT_LAYOUTS, head=None
     )
-    assert set(ms) == set(hardware.WEIGHT_LAYOUTS)
+    assert set(ms) == set(hardware.WEIGHT_LAYOUTS) - {"packed-bfloat16"}  # float32 weights: it packs nothing
 
 
 needs_mkl = pytest.mark.skipif(not packing_available(), reason="this PyTorch build has no MKL packed product")
@@ -205,6 +229,69 @@ def test_a_packed_linear_follows_its_weight_and_falls_back_where_it_cannot_pack(
     assert lin._pack is not None
     half = lin.to(torch.bfloat16)  # in place: the float32 copy is dropped, not kept alive
     assert half is lin and lin._pack is None
+    pack_linears(half, ["float32"])  # packing float32 only: bf16 takes plain F.linear
     with torch.no_grad():
         out = half(x.detach().bfloat16())
-    assert out.dtype == torch.bfloat16 and half._pack is None  # bf16: plain F.linear
+    assert out.dtype == torch.bfloat16 and half._pack is None
+
+
+needs_bf16_pack = pytest.mark.skipif(
+    not bf16_packing_available(), reason="no oneDNN bf16 packed product here"
+)
+
+
+@needs_bf16_pack
+def test_a_bf16_packed_linear_takes_any_number_of_rows_even_one():
+    """oneDNN's packed bf16 product: the same values as F.linear (bitwise on the CPUs we measured; bf16
+    rounding allowed), from one row up, any leading shape, with and without a bias."""
+    torch.manual_seed(0)
+    for bias in (True, False):
+        lin = torch.nn.Linear(96, 80, bias=bias).bfloat16()
+        x = torch.randn(40, 96).bfloat16()
+        with torch.no_grad():
+            plain = lin(x)
+            assert pack_linears(lin, ["bfloat16"]) == 1 and lin.packs == frozenset({torch.bfloat16})
+            assert lin._pack is None
+            for m in (1, 2, 3, 17, 40):
+                torch.testing.assert_close(lin(x[:m]), plain[:m])
+            assert lin._pack is not None  # one row took the packed product
+            torch.testing.assert_close(lin(x.view(4, 10, 96)), plain.view(4, 10, 80))
+            torch.testing.assert_close(lin(x.t().contiguous().t()), plain)  # a non-contiguous input
+            lin.weight.mul_(2)  # an in-place update: packed again
+            torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias))
+        y = lin(x.float().requires_grad_().bfloat16())  # with gradients: the plain product
+        y.float().sum().backward()
+        assert lin.weight.grad is not None
+
+
+@needs_bf16_pack
+@needs_mkl
+def test_packed_layouts_pack_the_precisions_they_name():
+    torch.manual_seed(0)
+    model, x32 = TiedLM(), torch.randn(4, 6)
+    assert hardware.set_weight_layout(model, "packed-bfloat16") == 2
+    with torch.no_grad():
+        model.hidden(x32)
+        assert model.hidden._pack is None  # float32 is not packed by this layout
+        model.bfloat16()
+        before = model.hidden(x32.bfloat16())
+        assert model.hidden._pack is not None
+    assert hardware.set_weight_layout(model, "packed-bfloat16") == 0  # already so
+    assert hardware.set_weight_layout(model, "packed") == 2 and model.hidden.packs == set(
+        packed.PACKED_DTYPES.values()
+    )
+    assert hardware.set_weight_layout(model, "packed-float32") == 2
+    with torch.no_grad():
+        torch.testing.assert_close(model.hidden(x32.bfloat16()), before)  # plain again, the same values
+    assert hardware.set_weight_layout(model, "row") == 2 and "packs" not in model.hidden.__dict__
+    with pytest.raises(ValueError, match="no packed kernel for"):
+        pack_linears(model, ["float16"])
+
+
+@needs_bf16_pack
+def test_the_layout_probe_measures_bf16_packing():
+    ms = hardware.layout_ms(
+        rounds=1, rows=(1, 4), shapes=((8, 16),), layers=1, head=None, dtype=torch.bfloat16,
+        layouts=hardware.WEIGHT_LAYOUTS,
+    )  # fmt: skip
+    assert set(ms) == {"row", "column", "packed", "packed-bfloat16"}  # packed-float32 packs nothing here

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from specblock.data.hardware import set_weight_layout
-from specblock.data.packed import PackedLinear, packing_available
+from specblock.data.packed import PackedLinear, bf16_packing_available, packing_available
 from specblock.data.target import FeatureTarget
 from specblock.evaluate.decoding.continuations import LawBook
 from specblock.evaluate.decoding.loop import DecodeConfig, SpeculativeDecoder
@@ -104,6 +104,35 @@ def test_other_weight_layouts_keep_greedy_equality(greedy_setup, layout):
                 )
     if layout == "packed":  # the packed product ran (in the target and in the drafters)
         assert all(m._pack is not None for m in col.model.modules() if isinstance(m, PackedLinear))
+
+
+@pytest.mark.skipif(not bf16_packing_available(), reason="no oneDNN bf16 packed product here")
+def test_bf16_packed_layout_decodes_as_the_row_layout(greedy_setup):
+    """weight_layout=packed-bfloat16 (data/packed.py): oneDNN's product over a packed copy, the same kernel
+    F.linear calls on bf16 without the per-call reorder. A bf16 target and drafters decode in it as in the
+    row layout (plain decoding and a tree), and the packed product ran in both."""
+    target, ds = greedy_setup
+    ar = DecodeConfig(mode="autoregressive", temperature=0.0, max_new_tokens=16)
+    tree = DecodeConfig(
+        "tree", temperature=0.0, max_new_tokens=16, tree=TreeConfig(budget=8, steps=2, beam=4, topk=4)
+    )
+    outs = {}
+    for layout in ("row", "packed-bfloat16"):
+        half = FeatureTarget(copy.deepcopy(target.model).bfloat16(), target.feature_layers)
+        drafter = copy.deepcopy(ds["specblock"]).bfloat16()
+        for module in (half.model, drafter):
+            set_weight_layout(module, layout)
+        outs[layout] = [
+            (
+                SpeculativeDecoder(half, None, ar).generate(p).tokens,
+                SpeculativeDecoder(half, drafter, tree).generate(p).tokens,
+            )
+            for p in (PROMPT, [7, 2])
+        ]
+        if layout != "row":
+            for module in (half.model, drafter):
+                assert all(m._pack is not None for m in module.modules() if isinstance(m, PackedLinear))
+    assert outs["packed-bfloat16"] == outs["row"]
 
 
 def test_greedy_equality_with_an_accurate_drafter(greedy_setup):
