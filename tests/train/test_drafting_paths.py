@@ -128,6 +128,51 @@ def test_decoding_attention_equals_training_attention(name):
     assert b.requires_grad and torch.equal(a, b.detach())
 
 
+def test_small_query_attention_is_the_attention():
+    """bf16 decoding steps of a few queries take two products and a float32 softmax (common.py): the
+    attention's values within bf16 rounding of float32's fused kernel, query head h reading key head
+    h // groups, masked keys ignored, for a mask per row or one shared."""
+    from specblock.train.modeling.common import small_query_attention
+
+    torch.manual_seed(0)
+    B, Hkv, groups, L, N, hd = 2, 2, 3, 5, 40, 16
+    q = torch.randn(B, Hkv * groups, L, hd)
+    k, v = torch.randn(B, Hkv, N, hd), torch.randn(B, Hkv, N, hd)
+    for mask in (torch.rand(B, 1, L, N) > 0.4, torch.rand(1, 1, L, N) > 0.4):
+        mask[..., 0], mask[..., 1] = True, False  # key 1: seen by no query
+        ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        out = small_query_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, groups)
+        assert out.dtype == torch.bfloat16 and out.shape == ref.shape
+        torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
+        changed = v.clone()
+        changed[:, :, 1] += 100.0
+        assert torch.equal(
+            small_query_attention(q.bfloat16(), k.bfloat16(), changed.bfloat16(), mask, groups), out
+        )
+
+
+@pytest.mark.parametrize("name", ["specblock", "eagle3"])
+def test_bf16_decoding_steps_follow_the_float32_ones(name, monkeypatch):
+    """A bf16 drafter's decoding call (the small-query path) gives the float32 call's logits within bf16
+    rounding."""
+    from specblock.train.modeling import common
+
+    calls, small = [], common.small_query_attention
+    monkeypatch.setattr(common, "small_query_attention", lambda *a: calls.append(1) or small(*a))
+    drafter, _, feats, ids = make(name)
+    past = drafter.extend(feats[:, :4], ids[:, :4]).cache
+    with torch.no_grad():
+        ref = drafter.extend(feats[:, 4:6], ids[:, 4:6], past, position=4).logits
+        assert calls == []  # float32: the fused kernel
+        half = drafter.to(torch.bfloat16)
+        past16 = DraftCache(
+            [x.bfloat16() for x in past.keys], [x.bfloat16() for x in past.values], past.visible
+        )
+        out = half.extend(feats[:, 4:6].bfloat16(), ids[:, 4:6], past16, position=4).logits
+    assert out.dtype == torch.bfloat16 and calls  # bf16: the small-query path ran
+    torch.testing.assert_close(out.float(), ref, atol=0.15, rtol=0.05)
+
+
 # ---------------------------------------------------------------- EAGLE-3 TTT
 
 

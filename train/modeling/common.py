@@ -151,15 +151,41 @@ class Attention(nn.Module):
             raise ValueError("a causal (mask=None) call attends to its own keys only")
         keys, values = (k, v) if extra is None else (torch.cat([extra[0], k], 2), torch.cat([extra[1], v], 2))
         seen = (keys, values)
+        groups = self.num_heads // self.num_kv
         if torch.is_grad_enabled():  # training: every key head repeated for its query heads
-            groups = self.num_heads // self.num_kv
             keys, values = repeat_kv(keys, groups), repeat_kv(values, groups)
+        elif mask is not None and q.dtype in HALF_DTYPES and L <= SMALL_QUERY_ROWS:
+            out = small_query_attention(q, keys, values, mask, groups)  # a decoding step in bf16 / fp16
+            return self.o_proj(out.transpose(1, 2).reshape(B, L, -1)), seen
         # without gradients (decoding) the kernel reads each key head for its group instead of copies of
         # the whole cache: bitwise the same output, tested
         out = F.scaled_dot_product_attention(
             q, keys, values, attn_mask=mask, is_causal=mask is None, enable_gqa=True
         )  # [B,Hq,L,hd]
         return self.o_proj(out.transpose(1, 2).reshape(B, L, -1)), seen
+
+
+# A decoding step in bf16 / fp16 with at most SMALL_QUERY_ROWS queries (a drafted block's K slots at one or
+# two positions, an EAGLE-3 step): two batched products and a float32 softmax, the query heads of a group
+# stacked as rows of their key head, beat the CPU's fused kernel, which splits its work by query block.
+# Measured on the AMD EPYC of session 19 (bf16, 2 threads, 9 query / 3 key heads of 64, 1,608 cached keys):
+# 1 / 8 / 16 queries in 0.10 / 0.20 / 0.33 ms against 0.81 / 0.38 / 0.60 fused; 64 queries 5.4 against 2.1.
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+SMALL_QUERY_ROWS = 16
+
+
+def small_query_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, groups: int) -> Tensor:
+    """softmax(q k^T / sqrt(hd) + mask) v without gradients. q [B,Hq,L,hd], keys/values [B,Hkv,N,hd],
+    mask [B|1,1,L,N] bool (True = attend; every row sees a key) -> [B,Hq,L,hd]. Query head h reads key
+    head h // groups (repeat_kv's order); the scores are rounded to q's dtype, the softmax runs in float32."""
+    B, Hq, L, hd = q.shape
+    Hkv, N = keys.shape[1], keys.shape[2]
+    rows = q.reshape(B, Hkv, groups * L, hd)  # a group's query heads as rows of its key head
+    seen = mask.expand(mask.shape[0], 1, L, N)[:, :, None].expand(-1, 1, groups, L, N)
+    scores = torch.matmul(rows, keys.transpose(-1, -2)).float().mul_(hd**-0.5)
+    scores.masked_fill_(~seen.reshape(-1, 1, groups * L, N), float("-inf"))
+    weights = scores.softmax(-1).to(values.dtype)
+    return torch.matmul(weights, values).reshape(B, Hq, L, hd)
 
 
 class DecoderLayer(nn.Module):
