@@ -61,6 +61,10 @@ def bf16_packing_available() -> bool:
 
 
 PACKED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # the dtypes with a packed kernel
+_ONEDNN_LINEAR = (
+    getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
+)
+_MKL_LINEAR = getattr(torch.ops.mkl, "_mkl_linear", None) if torch.backends.mkl.is_available() else None
 
 
 def packable_dtypes() -> list[str]:
@@ -78,23 +82,29 @@ class PackedLinear(torch.nn.Linear):
     packs: frozenset = frozenset(PACKED_DTYPES.values())  # pack_linears sets it per layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w, n = self.weight, x.numel()
-        if n > MAX_ROWS * self.in_features or x.dtype not in self.packs:  # first: cheap tests
-            return F.linear(x, w, self.bias)
-        fits = x.dtype == w.dtype and x.device.type == w.device.type == "cpu"
-        if not fits or (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad)):
-            return F.linear(x, w, self.bias)
-        if x.dtype == torch.bfloat16:  # oneDNN: any number of rows pays
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight(), self.bias, "none", [], "")
-        if n < MIN_ROWS * self.in_features:  # float32: one- to three-token steps take the plain product
-            return F.linear(x, w, self.bias)
-        return torch.ops.mkl._mkl_linear(x, self.packed_weight(), w, self.bias, n // self.in_features)
+        # a decoding forward calls this ~200 times: the parameters are read from the module's dict (not
+        # through Module.__getattr__) and the tests cost a few attribute reads (~1 us against ~4 before)
+        params = self._parameters
+        w, bias, dtype = params["weight"], params["bias"], x.dtype
+        if dtype not in self.packs or dtype != w.dtype or not w.is_cpu:
+            return F.linear(x, w, bias)
+        if torch.is_grad_enabled() and (w.requires_grad or x.requires_grad):
+            return F.linear(x, w, bias)
+        rows = x.numel() // self.in_features
+        if rows > MAX_ROWS or (rows < MIN_ROWS and dtype is torch.float32):  # float32: 1-3 rows pay plain
+            return F.linear(x, w, bias)
+        pack = self._pack
+        if pack is None or self._pack_key != (w.data_ptr(), w._version, w.shape, w.stride()):
+            pack = self.packed_weight()
+        if dtype is torch.bfloat16:  # oneDNN: any number of rows pays
+            return _ONEDNN_LINEAR(x, pack, bias, "none", [], "")
+        return _MKL_LINEAR(x, pack, w, bias, rows)
 
     def packed_weight(self) -> torch.Tensor:
         """The packed copy of the current weight (MKL's for float32, oneDNN's for bfloat16), made again
-        when the weight changed since."""
+        when the weight changed since (its storage, version, shape or strides; a dtype change drops it)."""
         w = self.weight
-        key = (w.data_ptr(), w._version, tuple(w.shape), w.stride(), w.dtype)
+        key = (w.data_ptr(), w._version, w.shape, w.stride())
         if self._pack is None or self._pack_key != key:
             if w.dtype == torch.bfloat16:
                 self._pack = torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), 1)
