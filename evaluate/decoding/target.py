@@ -99,6 +99,8 @@ class TargetSession:
             raise ValueError(f"kept offsets must be ascending, got {kept}")
         length = committed + len(kept)
         moves = [(committed + i, committed + k) for i, k in enumerate(kept) if k != i]
+        if not moves and length == len(self):  # a plain step, or every fed node kept: nothing to cut
+            return
         dst, src = (torch.tensor(x) for x in zip(*moves)) if moves else (None, None)
         for layer in self.cache.layers:
             if type(layer) is not DynamicLayer:

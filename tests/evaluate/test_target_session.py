@@ -57,6 +57,10 @@ def test_target_session_keep_cuts_in_place(greedy_setup):
     assert torch.equal(layer.keys, before[..., [0, 1, 2, 3, 5, 6], :])
     with pytest.raises(ValueError, match="ascending"):
         s.keep(3, [1, 0])
+    s.forward([7])  # a plain step kept whole: nothing to cut, the layers stay the tensors they are
+    keys = layer.keys
+    s.keep(6, [0])
+    assert layer.keys is keys and len(s) == 7
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
