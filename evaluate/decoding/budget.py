@@ -85,12 +85,20 @@ SOLO_DECAY = 0.8  # the drafter's measured worth without a chain: a drafted iter
 
 @dataclass
 class ForwardCurve:
-    """ms of one target forward against the tokens fed (sizes ascending), linear in between and beyond."""
+    """ms of one target forward against the tokens fed (sizes ascending), linear in between and beyond.
+    Every size asked is remembered (the budget's choice asks the same few dozen sizes every iteration)."""
 
     sizes: list[int]
     ms: list[float]
+    _known: dict[int, float] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __call__(self, n: int) -> float:
+        known = self._known.get(n)
+        if known is None:
+            known = self._known[n] = self._interpolate(n)
+        return known
+
+    def _interpolate(self, n: int) -> float:
         s, t = self.sizes, self.ms
         if len(s) == 1:
             return t[0]
