@@ -15,8 +15,9 @@ export PYTHONUNBUFFERED=1  # the log shows each line as it is written (validatio
 # shared with test runs: ~28-40 s per SpecBlock step of 8 rows of ~350 tokens; EAGLE-3 ~1/3 of that).
 # The curriculum ends halfway; milestones every ~20 minutes of training for the scaling curve.
 # Session 17: SpecBlock trains one TTT block a step; session 18: 600 such steps in ~69 min on a quiet 2-core EPYC.
+# Session 19: EAGLE-3 900 steps, about the same minutes (its step costs ~0.7x SpecBlock's one-block step).
 steps_specblock="${SPECBLOCK_STEPS:-600}"; milestones_specblock=120
-steps_eagle3="${EAGLE3_STEPS:-480}"; milestones_eagle3=100
+steps_eagle3="${EAGLE3_STEPS:-900}"; milestones_eagle3=120
 
 for drafter in specblock eagle3; do
   steps_var="steps_${drafter}"; keep_var="milestones_${drafter}"
