@@ -79,7 +79,7 @@ class PackedLinear(torch.nn.Linear):
 
     _pack: torch.Tensor | None = None
     _pack_key: tuple | None = None
-    packs: frozenset = frozenset(PACKED_DTYPES.values())  # pack_linears sets it per layer
+    packs: frozenset = frozenset()  # the dtypes it packs: pack_linears sets them per layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # a decoding forward calls this ~200 times: the parameters are read from the module's dict (not
