@@ -73,6 +73,11 @@ def packable_dtypes() -> list[str]:
     return [name for name in PACKED_DTYPES if have[name]]
 
 
+def weight_key(w: torch.Tensor) -> tuple:
+    """What a packed copy was made from: the weight's storage, version, shape and strides."""
+    return (w.data_ptr(), w._version, w.shape, w.stride())
+
+
 class PackedLinear(torch.nn.Linear):
     """nn.Linear whose CPU inference forward reads a packed copy of the weight, in the dtypes of `packs`
     (module docstring)."""
@@ -94,7 +99,7 @@ class PackedLinear(torch.nn.Linear):
         if rows > MAX_ROWS or (rows < MIN_ROWS and dtype is torch.float32):  # float32: 1-3 rows pay plain
             return F.linear(x, w, bias)
         pack = self._pack
-        if pack is None or self._pack_key != (w.data_ptr(), w._version, w.shape, w.stride()):
+        if pack is None or self._pack_key != weight_key(w):
             pack = self.packed_weight()
         if dtype is torch.bfloat16:  # oneDNN: any number of rows pays
             return _ONEDNN_LINEAR(x, pack, bias, "none", [], "")
@@ -104,7 +109,7 @@ class PackedLinear(torch.nn.Linear):
         """The packed copy of the current weight (MKL's for float32, oneDNN's for bfloat16), made again
         when the weight changed since (its storage, version, shape or strides; a dtype change drops it)."""
         w = self.weight
-        key = (w.data_ptr(), w._version, w.shape, w.stride())
+        key = weight_key(w)
         if self._pack is None or self._pack_key != key:
             if w.dtype == torch.bfloat16:
                 self._pack = torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), 1)
