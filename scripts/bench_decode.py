@@ -165,11 +165,11 @@ def method_decoders(
         if method == HF_GREEDY:
             out[method] = HFGreedy(model, args.max_new_tokens, eos)
             continue
-        # tree@16 / tree@auto: the tree's budget; chain-token@6 / chain-token@auto: the chain's length
-        # (auto: chosen per iteration up to --draft-length)
-        name, _, size = method.partition("@")
+        name, size, steps = method_label(method)
         mode, verifier = parse_method(name)
         tree, length = default_tree(drafter), args.draft_length
+        if steps is not None:
+            tree = replace(tree, steps=steps)
         if size and mode in TREE_MODES:
             tree = replace(tree, budget=int(size) if size.isdigit() else size)
         elif size.isdigit():
@@ -181,6 +181,18 @@ def method_decoders(
         target = FeatureTarget(model, layers if mode not in ("autoregressive", "lookup") else None)
         out[method] = SpeculativeDecoder(target, drafter, cfg, eos)
     return out
+
+
+def method_label(method: str) -> tuple[str, str, int | None]:
+    """A method label -> (evaluation method, size, tree rounds). tree@16 / tree@auto: the tree's budget;
+    chain-token@6 / chain-token@auto: the chain's length (auto: chosen per iteration up to --draft-length);
+    a trailing :s<R> (tree@4:s1, tree:s1): the tree's drafter rounds (TreeConfig.steps; default: the
+    drafter's own tree)."""
+    spec, sep, steps = method.partition(":s")
+    if sep and not steps.isdigit():
+        raise ValueError(f"method {method!r}: ':s' takes a number of tree rounds, e.g. tree@4:s1")
+    name, _, size = spec.partition("@")
+    return name, size, int(steps) if sep else None
 
 
 def default_tree(drafter) -> TreeConfig:

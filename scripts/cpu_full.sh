@@ -6,6 +6,9 @@
 #   nohup scripts/cpu_full.sh > checkpoints/logs/cpu_full.log 2>&1 &
 # Steps per drafter: about 90 minutes each on 2 cores (measured step times in the README); override with
 # SPECBLOCK_STEPS=... EAGLE3_STEPS=... scripts/cpu_full.sh
+# Another experiment with the same stages (runs checkpoints/<experiment>-<drafter>, its evaluation and
+# curve named after it; the math fine-tunes belong to cpu_full alone):
+#   CPU_FULL_EXPERIMENT=cpu_full_6k scripts/cpu_full.sh   # three times the distinct regenerated data
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=.venv/bin/python
@@ -18,34 +21,40 @@ export PYTHONUNBUFFERED=1  # the log shows each line as it is written (validatio
 # Session 19: EAGLE-3 900 steps, about the same minutes (its step costs ~0.7x SpecBlock's one-block step).
 steps_specblock="${SPECBLOCK_STEPS:-600}"; milestones_specblock=120
 steps_eagle3="${EAGLE3_STEPS:-900}"; milestones_eagle3=120
+experiment="${CPU_FULL_EXPERIMENT:-cpu_full}"
+curve="docs/scaling_curve${experiment#cpu_full}"  # docs/scaling_curve, docs/scaling_curve_6k, ...
 
 for drafter in specblock eagle3; do
   steps_var="steps_${drafter}"; keep_var="milestones_${drafter}"
-  if [ -f "checkpoints/cpu_full-${drafter}/drafter/config.json" ]; then
-    echo "cpu_full-${drafter}: exported already, skipped"
+  if [ -f "checkpoints/${experiment}-${drafter}/drafter/config.json" ]; then
+    echo "${experiment}-${drafter}: exported already, skipped"
     continue
   fi
-  echo "== $(date -u +%H:%M) training cpu_full-${drafter} (${!steps_var} steps)"
-  "$py" -m specblock.train experiment=cpu_full drafter="$drafter" resume=latest trainer.max_steps="${!steps_var}" \
+  echo "== $(date -u +%H:%M) training ${experiment}-${drafter} (${!steps_var} steps)"
+  "$py" -m specblock.train experiment="$experiment" drafter="$drafter" resume=latest trainer.max_steps="${!steps_var}" \
     trainer.keep_every="${!keep_var}" loss.curriculum.end="$(( ${!steps_var} / 2 ))"
 done
 
 echo "== $(date -u +%H:%M) scaling curve"
-"$py" scripts/scaling_curve.py checkpoints/cpu_full-specblock checkpoints/cpu_full-eagle3 --out docs/scaling_curve
+"$py" scripts/scaling_curve.py "checkpoints/${experiment}-specblock" "checkpoints/${experiment}-eagle3" --out "$curve"
 
 # an evaluation writes its config.json last: present means done, and a rerun of this script skips it
-if [ -f checkpoints/eval/cpu_full/config.json ]; then
-  echo "cpu_full evaluation: done already (checkpoints/eval/cpu_full/results.md), skipped"
+if [ -f "checkpoints/eval/${experiment}/config.json" ]; then
+  echo "${experiment} evaluation: done already (checkpoints/eval/${experiment}/results.md), skipped"
 else
   echo "== $(date -u +%H:%M) speed of the best checkpoints (deployment precision, sizes from measured costs)"
-  "$py" -m specblock.evaluate run_name=cpu_full target.dtype=auto limit=3 max_new_tokens=64 \
-    'drafters={specblock: checkpoints/cpu_full-specblock/drafter, eagle3: checkpoints/cpu_full-eagle3/drafter}' \
+  "$py" -m specblock.evaluate run_name="$experiment" target.dtype=auto limit=3 max_new_tokens=64 \
+    "drafters={specblock: checkpoints/${experiment}-specblock/drafter, eagle3: checkpoints/${experiment}-eagle3/drafter}" \
     draft_length=auto trees.specblock.budget=auto trees.eagle3.budget=auto \
     'methods=[autoregressive,lookup,chain-token,tree,tree+lookup]'
 fi
 
 # The math drafters: each fine-tuned on GSM8K's train split answered again by the target (README section
 # "A math drafter"); about 20 minutes each on one core. Offline the split comes from $SPECBLOCK_DATASETS.
+if [ "$experiment" != cpu_full ]; then
+  echo "== $(date -u +%H:%M) done (${experiment}: no math fine-tunes)"
+  exit 0
+fi
 gsm8k=()
 if [ -n "${SPECBLOCK_DATASETS:-}" ]; then gsm8k=(data.corpus.source="$SPECBLOCK_DATASETS/gsm8k/train.jsonl"); fi
 for drafter in eagle3 specblock; do

@@ -4,6 +4,13 @@ One forward feeds the root and every draft node after the committed cache (a 4-D
 the cache and its ancestors; position ids = cache length + depth) and returns the target's features and
 logits at every node; `keep` then keeps the committed entries, the root and the accepted nodes (prefix
 reuse, nothing recomputed).
+
+On a CPU the session's target attends with `grouped_sdpa` (registered with transformers' AttentionInterface
+as GROUPED_SDPA) where it ran sdpa: a forward over a few tree nodes under the 4-D mask stacks each key
+head's query heads as rows of that head instead of copying the cache once per query head (`repeat_kv`,
+what transformers' sdpa does for more than one query with a mask; one query it already packs so). Measured
+in bf16 on SmolLM2-135M after a 300-token cache (README "Prompt lookup, precision, and where the time
+goes", session 20), and the same logits (tests/evaluate/test_target_session.py).
 """
 
 from __future__ import annotations
@@ -12,10 +19,79 @@ import inspect
 import time
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
+from transformers import AttentionInterface
 from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from specblock.data.target import FeatureTarget
+
+GROUPED_SDPA = "specblock_grouped_sdpa"
+# Above this many queries (a prefill) the stacked rows gain nothing and sdpa's own path runs.
+GROUPED_MAX_QUERIES = 64
+# what a Llama-style layer passes besides the tensors, none of which changes the attention's math
+PLAIN_KWARGS = frozenset(
+    {"position_ids", "use_cache", "output_hidden_states", "cache_position", "output_attentions"}
+)
+
+
+def grouped_sdpa(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[Tensor, None]:
+    """transformers' attention signature: query [B,Hq,n,hd], key/value [B,Hkv,N,hd], attention_mask
+    [B|1,1,n,N] (additive or bool) -> ([B,n,Hq,hd], None). With grouped query heads, a mask and
+    2 <= n <= GROUPED_MAX_QUERIES: one sdpa over [B,Hkv,groups*n,hd] rows (query head h reads key head
+    h // groups, repeat_kv's order; the mask repeated per group) instead of over copies of the keys;
+    anything else goes to transformers' sdpa as it is."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    B, Hq, n, hd = query.shape
+    plain = groups == 1 or attention_mask is None or not 2 <= n <= GROUPED_MAX_QUERIES
+    # a kwarg that changes the math (softcap, sliding_window, position_bias, sinks, ...) is sdpa's to handle
+    unknown = any(v is not None and k not in PLAIN_KWARGS for k, v in kwargs.items())
+    if plain or unknown or attention_mask.shape[1] != 1 or dropout or module.training:
+        return sdpa_attention_forward(
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
+            is_causal=is_causal,
+            **kwargs,
+        )
+    rows = query.reshape(B, Hq // groups, groups * n, hd)  # group g's heads: rows r * n + i of key head g
+    mask = attention_mask.expand(B, 1, n, -1).repeat(1, 1, groups, 1)  # row r * n + i reads query i's row
+    out = F.scaled_dot_product_attention(rows, key, value, attn_mask=mask, scale=scaling)
+    return out.reshape(B, Hq, n, hd).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(GROUPED_SDPA, grouped_sdpa)
+# Its masks are sdpa's: without a registered mask function transformers builds NO mask for a forward that
+# brings none (a plain causal call of the same model would then see the future).
+AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)
+
+
+def use_grouped_attention(model: torch.nn.Module) -> None:
+    """A CPU model on transformers' sdpa attends through `grouped_sdpa` from now on (the same math; the
+    plain and speculative loops share the model, so both get it). Other implementations and devices
+    are left as they are (a GPU's kernels were not measured with it)."""
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "_attn_implementation", None) != "sdpa":
+        return
+    if next(model.parameters()).device.type != "cpu":
+        return
+    model.set_attn_implementation(GROUPED_SDPA)
 
 
 class TargetSession:
@@ -23,6 +99,7 @@ class TargetSession:
 
     def __init__(self, target: FeatureTarget):
         self.target = target
+        use_grouped_attention(target.model)
         params = inspect.signature(target.model.base_model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"  # transformers renamed it
         self.cache: DynamicCache | None = None

@@ -130,3 +130,72 @@ def test_temperature_zero_forms_no_vocabulary_laws(greedy_setup, monkeypatch):
         assert len(SpeculativeDecoder(target, ds["eagle3"], cfg).generate(PROMPT).tokens) == 8
     lookup = DecodeConfig("lookup", draft_length=3, temperature=0.0, max_new_tokens=8)
     assert len(SpeculativeDecoder(target, None, lookup).generate(REPEATS).tokens) == 8
+
+
+def test_grouped_attention_is_sdpa_without_the_key_copies(monkeypatch):
+    """The session switches a CPU sdpa target to grouped_sdpa (query heads stacked per key head for a few
+    masked queries): tree forwards give sdpa's logits, a plain causal call of the model still gets its
+    padding mask (a custom attention without a registered mask function would get none), and eager
+    attention is left alone."""
+    from tiny_models import tiny_llama
+
+    from specblock.data.target import FeatureTarget
+    from specblock.evaluate.decoding import target as target_mod
+
+    model = tiny_llama(VOCAB, seed=5, attn_implementation="sdpa")
+    assert model.config.num_attention_heads > model.config.num_key_value_heads  # grouped query heads
+    ids = [3, 8, 1, 4, 6, 2, 5]
+    padded = {"input_ids": torch.tensor([[0] + ids]), "attention_mask": torch.tensor([[0] + [1] * len(ids)])}
+    with torch.no_grad():
+        full = model(torch.tensor([ids])).logits[0].float()
+        left_padded = model(**padded).logits[0].float()
+    with monkeypatch.context() as m:  # a session left on plain sdpa, for the tree's reference logits
+        m.setattr(target_mod, "use_grouped_attention", lambda model: None)
+        ref = TargetSession(FeatureTarget(model))
+    assert model.config._attn_implementation == "sdpa"
+    ref.reset()
+    ref.forward(ids[:4])
+    tree_tokens, parents = [ids[4], 9, ids[5], 2, 7], [-1, -1, 0, 2, 0]
+    _, want = ref.forward(tree_tokens, parents)
+
+    calls = []
+    grouped = target_mod.grouped_sdpa
+
+    def spy(module, query, *args, **kwargs):
+        calls.append(query.shape[2])
+        return grouped(module, query, *args, **kwargs)
+
+    monkeypatch.setitem(target_mod.AttentionInterface._global_mapping, target_mod.GROUPED_SDPA, spy)
+    s = TargetSession(FeatureTarget(model))
+    assert model.config._attn_implementation == target_mod.GROUPED_SDPA
+    s.reset()
+    s.forward(ids[:4])
+    _, got = s.forward(tree_tokens, parents)
+    assert 5 in calls  # the tree's five queries went through the grouped path
+    assert torch.allclose(got, want, atol=1e-5)
+    assert torch.allclose(got[0], full[4], atol=1e-5) and torch.allclose(got[2], full[5], atol=1e-5)
+    with torch.no_grad():  # a 2-D padding mask still becomes sdpa's mask (registered mask function)
+        again = model(**padded).logits[0].float()
+    assert torch.allclose(again, left_padded, atol=1e-5)
+    eager = tiny_llama(VOCAB, seed=5, attn_implementation="eager")
+    TargetSession(FeatureTarget(eager))
+    assert eager.config._attn_implementation == "eager"
+
+
+def test_grouped_attention_hands_unknown_arguments_to_sdpa(monkeypatch):
+    """A layer that passes an argument that changes the math (Gemma 2's softcap here) is not attended by
+    the grouped path, which would drop it: transformers' sdpa gets the call (and refuses softcap)."""
+    from specblock.evaluate.decoding import target as target_mod
+
+    seen = []
+    monkeypatch.setattr(
+        target_mod, "sdpa_attention_forward", lambda *a, **kw: seen.append(kw) or ("sdpa", None)
+    )
+    module = torch.nn.Module().eval()
+    module.num_key_value_groups = 2
+    q, kv = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 5, 8)
+    mask = torch.zeros(1, 1, 3, 5)
+    assert target_mod.grouped_sdpa(module, q, kv, kv, mask, softcap=30.0)[0] == "sdpa"
+    assert seen[-1]["softcap"] == 30.0
+    out, _ = target_mod.grouped_sdpa(module, q, kv, kv, mask, position_ids=torch.arange(3)[None])
+    assert out.shape == (1, 3, 4, 8) and len(seen) == 1

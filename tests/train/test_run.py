@@ -285,6 +285,24 @@ def test_every_experiment_composes_and_validates(experiment):
         )
 
 
+def test_cpu_full_6k_is_cpu_full_on_more_data():
+    """The 6k experiment changes the data (and the run's name) and nothing that training does."""
+    register_configs()
+    with initialize_config_module("specblock.configs", version_base=None):
+        base, more = (
+            OmegaConf.to_container(compose("train", overrides=[f"experiment={e}"]), resolve=True)
+            for e in ("cpu_full", "cpu_full_6k")
+        )
+    assert more["data"]["corpus"]["limit"] > base["data"]["corpus"]["limit"]
+    assert more["data"]["out_dir"] != base["data"]["out_dir"] and more["run_name"] == "cpu_full_6k-specblock"
+    assert more["data"]["regenerate"] == base["data"]["regenerate"]
+    for key in ("trainer", "loss", "strategy", "validation", "drafter"):
+        a, b = (dict(c[key]) for c in (base, more))
+        for run_key in ("output_dir", "run_name"):
+            a.pop(run_key, None), b.pop(run_key, None)
+        assert a == b, key
+
+
 def test_a_resumed_run_remembers_its_best_validation_step(make_cfg, monkeypatch):
     # prefix_alpha rises with the step (curriculum end 3): with best_mode=min the first validation (step 2)
     # stays the best, unless a resumed run forgot it and took its first validation after the kill
