@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -21,6 +22,8 @@ from .decoding.loop import DRAFTERLESS, MODES
 from .decoding.trees import AUTO, TreeConfig
 from .reporting.metrics import AUTOREGRESSIVE
 from .verify import CROSS_ITERATION, VERIFIERS
+
+log = logging.getLogger(__name__)
 
 
 # Every scheme the stage knows: mode-verifier (chain: one draft; iid: num_drafts i.i.d. drafts); lookup
@@ -166,6 +169,19 @@ class EvalConfig:
             arch = None if name in self.trees else architecture_of(folder)
             if arch is not None and arch in self.trees:
                 self.trees[name] = replace(self.trees[arch])
+        for name, folder in self.drafters.items():  # then each drafter's own training caps its rounds
+            tree, trained = self.trees.get(name), trained_blocks_of(folder)
+            if (
+                tree is not None
+                and trained is not None
+                and tree.steps > trained
+                and not tree.untrained_rounds
+            ):
+                log.info(
+                    f"trees.{name}.steps={tree.steps} -> {trained}: {folder} was trained with {trained} "
+                    f"block round(s) a step (trees.{name}.untrained_rounds=true drafts the others too)"
+                )
+                self.trees[name] = replace(tree, steps=trained)
         missing = [name for name in self.drafters if name not in self.trees]
         if missing and {"tree", "tree+lookup"} & set(self.methods):
             raise ValueError(f"drafters {missing} have no tree shape under trees")
@@ -190,6 +206,16 @@ def architecture_of(folder: str) -> str | None:
         return export_config(folder).get("architecture")
     except (OSError, ValueError):
         return None
+
+
+def trained_blocks_of(folder: str) -> int | None:
+    """The block rounds an exported drafter was trained with per step (config.json `trained_blocks`,
+    written since session 20 for SpecBlock), None if not recorded or unreadable."""
+    try:
+        value = export_config(folder).get("trained_blocks")
+    except (OSError, ValueError):
+        return None
+    return None if value is None else int(value)
 
 
 def register_configs() -> None:

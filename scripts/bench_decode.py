@@ -34,7 +34,7 @@ from specblock.data.hardware import WEIGHT_LAYOUTS, resolve_layout, set_weight_l
 from specblock.data.logs import setup_logging
 from specblock.data.target import DEFAULT_TARGET_DIR, DTYPES, FeatureTarget, TargetConfig, load_target
 
-from specblock.evaluate.config import EvalConfig, parse_method
+from specblock.evaluate.config import EvalConfig, parse_method, trained_blocks_of
 from specblock.evaluate.decoding.drafters import drafting_spec
 from specblock.evaluate.decoding.loop import (
     DRAFTERLESS,
@@ -168,6 +168,9 @@ def method_decoders(
         name, size, steps = method_label(method)
         mode, verifier = parse_method(name)
         tree, length = default_tree(drafter), args.draft_length
+        trained = trained_blocks_of(args.drafter) if drafter is not None and args.drafter else None
+        if steps is None and trained is not None and tree.steps > trained:
+            steps = trained  # as the evaluation app does: no rounds past the drafter's training
         if steps is not None:
             tree = replace(tree, steps=steps)
         if size and mode in TREE_MODES:
@@ -187,7 +190,7 @@ def method_label(method: str) -> tuple[str, str, int | None]:
     """A method label -> (evaluation method, size, tree rounds). tree@16 / tree@auto: the tree's budget;
     chain-token@6 / chain-token@auto: the chain's length (auto: chosen per iteration up to --draft-length);
     a trailing :s<R> (tree@4:s1, tree:s1): the tree's drafter rounds (TreeConfig.steps; default: the
-    drafter's own tree)."""
+    drafter's own tree, capped at the block rounds it was trained with where its folder records them)."""
     spec, sep, steps = method.partition(":s")
     if sep and not steps.isdigit():
         raise ValueError(f"method {method!r}: ':s' takes a number of tree rounds, e.g. tree@4:s1")

@@ -36,7 +36,10 @@ for drafter in specblock eagle3; do
 done
 
 echo "== $(date -u +%H:%M) scaling curve"
-"$py" scripts/scaling_curve.py "checkpoints/${experiment}-specblock" "checkpoints/${experiment}-eagle3" --out "$curve"
+earlier=()  # another experiment's curve shows cpu_full's points beside its own
+if [ "$experiment" != cpu_full ] && [ -f docs/scaling_curve.json ]; then earlier=(--earlier docs/scaling_curve.json); fi
+"$py" scripts/scaling_curve.py "checkpoints/${experiment}-specblock" "checkpoints/${experiment}-eagle3" \
+  "${earlier[@]}" --out "$curve"
 
 # an evaluation writes its config.json last: present means done, and a rerun of this script skips it
 if [ -f "checkpoints/eval/${experiment}/config.json" ]; then

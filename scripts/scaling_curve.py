@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from specblock.data.io import write_json_atomic
 from specblock.data.logs import setup_logging
 from specblock.evaluate.config import EvalConfig
+from specblock.evaluate.decoding.drafters import default_trees
 from specblock.evaluate.reporting.report import read_jsonl
 from specblock.evaluate.run import evaluate
 from specblock.train.checkpoint import list_checkpoints, read_meta
@@ -80,7 +82,11 @@ def point(run: Path, step: Path, args) -> dict:
     results = results_of(run, step)
     name, target = run_config(run)
     if not cached(results, args):
+        # every point drafts the same tree, also the rounds past a one-block run's training (as the curve's
+        # earlier points, exported before drafters recorded `trained_blocks`, did)
+        trees = {n: replace(t, untrained_rounds=True) for n, t in default_trees().items()}
         cfg = EvalConfig(
+            trees=trees,
             run_name=f"curve-{run.name}-{step.name}",
             output_dir=str(results.parent),
             drafters={name: str(drafter)},

@@ -51,8 +51,11 @@ def export_drafter(
     target_revision: str | None,
     feature_layers: list[int],
     card: dict[str, Any] | None = None,
+    trained_blocks: int | None = None,
 ) -> Path:
-    """Writes the drafter folder atomically (temporary name, then rename) and returns its path."""
+    """Writes the drafter folder atomically (temporary name, then rename) and returns its path.
+    trained_blocks: how many block rounds training ran per step (SpecBlock's `strategy.num_ttt_blocks`),
+    recorded so that the evaluation drafts no untrained rounds (evaluate/config.py); None leaves it out."""
     out_dir = Path(out_dir)
     state = {k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()}
     config = {
@@ -64,6 +67,8 @@ def export_drafter(
         "feature_layers": list(feature_layers),
         "target": {"id": target_id, "revision": target_revision, "config": target_config.to_dict()},
     }
+    if trained_blocks is not None:
+        config["trained_blocks"] = int(trained_blocks)
     with atomic_path(out_dir) as tmp:
         tmp.mkdir()
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": EXPORT_FORMAT})
@@ -182,6 +187,7 @@ def export_checkpoint(
         target_revision=cfg.data.target.revision,
         feature_layers=layers,
         card=card,
+        trained_blocks=cfg.strategy.num_ttt_blocks if cfg.drafter.name == "specblock" else None,
     )
     serve = train_spec(cfg.drafter.name).serving_export  # beside it, e.g. <out>-vllm, <out>-speculators
     if serve is not None:

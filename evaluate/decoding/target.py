@@ -77,8 +77,8 @@ def grouped_sdpa(
 
 
 AttentionInterface.register(GROUPED_SDPA, grouped_sdpa)
-# Its masks are sdpa's: without a registered mask function transformers builds NO mask for a forward that
-# brings none (a plain causal call of the same model would then see the future).
+# Its masks are sdpa's: without a registered mask function transformers turns no 2-D padding mask into a
+# 4-D one for this implementation (a padded call of the same model would attend to its padding).
 AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)
 
 

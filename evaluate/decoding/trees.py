@@ -29,7 +29,8 @@ class TreeConfig:
     of evaluate/decoding/budget.py among the `max_budget` best nodes; steps: block (SpecBlock) or step
     (EAGLE) rounds; beam: leaves expanded per round; topk: EAGLE children per node and SpecBlock slot-0
     cap; topk_per_class: SpecBlock branching per predicted rank class (0 = stop the block there); default
-    the authors' release preset (2, 4, 6, 4) (docs/specblock.md 1.3), which never gives up a slot."""
+    the authors' release preset (2, 4, 6, 4) (docs/specblock.md 1.3), which never gives up a slot;
+    untrained_rounds: whether `steps` may exceed the blocks a SpecBlock drafter was trained with."""
 
     budget: Any = 32  # int >= 1 or "auto"
     max_budget: int = 64
@@ -37,6 +38,9 @@ class TreeConfig:
     beam: int = 10
     topk: int = 10
     topk_per_class: list[int] = field(default_factory=lambda: list(RELEASE_TOPK_PER_CLASS))
+    # SpecBlock: also draft block rounds past the blocks the drafter was trained with (its config.json
+    # `trained_blocks`); off, `steps` is capped there (evaluate/config.py)
+    untrained_rounds: bool = False
 
     def __post_init__(self):
         if self.budget != AUTO and not (isinstance(self.budget, int) and self.budget >= 1):

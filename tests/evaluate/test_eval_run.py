@@ -69,6 +69,47 @@ def test_a_drafter_named_otherwise_takes_its_architectures_tree(tmp_path):
         EvalConfig(drafters={"other": str(tmp_path / "missing")}, methods=["tree"])
 
 
+def test_a_one_block_specblock_drafter_drafts_one_block_round(tmp_path):
+    """A drafter folder that records `trained_blocks` gets no more tree rounds than that (a one-block
+    SpecBlock drafter's second round is an untrained block: session 20 measured it slower), unless
+    untrained_rounds is set; a folder without the record keeps the configured rounds."""
+    from dataclasses import replace
+
+    def folder(name, **extra):
+        path = tmp_path / name
+        path.mkdir()
+        config = {"format": EXPORT_FORMAT, "architecture": "specblock", **extra}
+        (path / "config.json").write_text(json.dumps(config))
+        return str(path)
+
+    one, two, old = folder("one", trained_blocks=1), folder("two", trained_blocks=2), folder("old")
+    cfg = EvalConfig(drafters={"specblock": one, "sb_two": two, "sb_old": old}, methods=["tree"])
+    assert cfg.trees["specblock"].steps == 1
+    assert cfg.trees["sb_two"].steps == cfg.trees["sb_old"].steps == 2  # the default shape's two rounds
+    trees = {"specblock": replace(EvalConfig().trees["specblock"], untrained_rounds=True)}
+    kept = EvalConfig(drafters={"specblock": one}, methods=["tree"], trees=trees)
+    assert kept.trees["specblock"].steps == 2
+
+
+def test_export_records_the_blocks_a_specblock_run_trained(tmp_path):
+    import torch
+    from tiny_models import tiny_llama
+
+    from specblock.train.drafters import build_drafter, train_spec
+    from specblock.train.export import export_config
+
+    target = tiny_llama(64, seed=0)
+    emb, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    cfg = train_spec("specblock").config(draft_vocab_size=None)
+    module = build_drafter("specblock", cfg, target.config, emb, head, None)
+    common = dict(name="specblock", drafter_cfg=cfg, target_config=target.config, target_id="t",
+                  target_revision=None, feature_layers=[1, 2, 3])  # fmt: skip
+    with torch.no_grad():
+        a = export_drafter(module, tmp_path / "a", trained_blocks=1, **common)
+        b = export_drafter(module, tmp_path / "b", **common)
+    assert export_config(a)["trained_blocks"] == 1 and "trained_blocks" not in export_config(b)
+
+
 def test_every_drafter_is_registered_with_both_stages():
     from specblock.evaluate.decoding.drafters import DRAFTING_SPECS
     from specblock.train.drafters import TRAIN_SPECS
