@@ -165,23 +165,14 @@ class EvalConfig:
             raise ValueError(f"baseline_dtypes {bad} are not among {sorted(DTYPES)} (or {AUTO!r})")
         if self.drafter_methods and not self.drafters:
             raise ValueError("speculative methods need at least one drafter (drafters: {name: folder})")
-        for name, folder in self.drafters.items():  # e.g. two EAGLE-3 drafters side by side
-            arch = None if name in self.trees else architecture_of(folder)
+        exported = {name: exported_config(folder) for name, folder in self.drafters.items()}  # read once
+        for name, meta in exported.items():  # e.g. two EAGLE-3 drafters side by side
+            arch = None if name in self.trees else meta.get("architecture")
             if arch is not None and arch in self.trees:
                 self.trees[name] = replace(self.trees[arch])
-        for name, folder in self.drafters.items():  # then each drafter's own training caps its rounds
-            tree, trained = self.trees.get(name), trained_blocks_of(folder)
-            if (
-                tree is not None
-                and trained is not None
-                and tree.steps > trained
-                and not tree.untrained_rounds
-            ):
-                log.info(
-                    f"trees.{name}.steps={tree.steps} -> {trained}: {folder} was trained with {trained} "
-                    f"block round(s) a step (trees.{name}.untrained_rounds=true drafts the others too)"
-                )
-                self.trees[name] = replace(tree, steps=trained)
+        for name, meta in exported.items():  # then each drafter's own training caps its rounds
+            if name in self.trees:
+                self.trees[name] = trained_rounds(name, self.trees[name], meta, self.drafters[name])
         missing = [name for name in self.drafters if name not in self.trees]
         if missing and {"tree", "tree+lookup"} & set(self.methods):
             raise ValueError(f"drafters {missing} have no tree shape under trees")
@@ -199,23 +190,27 @@ class EvalConfig:
         return [m for m in self.methods if parse_method(m)[0] not in DRAFTERLESS]
 
 
-def architecture_of(folder: str) -> str | None:
-    """The `architecture` an exported drafter folder's config.json names, None if it cannot be read (the
-    run reports a missing or broken folder itself, naming it)."""
+def exported_config(folder: str) -> dict[str, Any]:
+    """An exported drafter folder's config.json, {} if it cannot be read (the run reports a missing or
+    broken folder itself, naming it)."""
     try:
-        return export_config(folder).get("architecture")
+        return export_config(folder)
     except (OSError, ValueError):
-        return None
+        return {}
 
 
-def trained_blocks_of(folder: str) -> int | None:
-    """The block rounds an exported drafter was trained with per step (config.json `trained_blocks`,
-    written since session 20 for SpecBlock), None if not recorded or unreadable."""
-    try:
-        value = export_config(folder).get("trained_blocks")
-    except (OSError, ValueError):
-        return None
-    return None if value is None else int(value)
+def trained_rounds(name: str, tree: TreeConfig, meta: dict[str, Any], folder: str) -> TreeConfig:
+    """`tree` for drafter `name` whose exported config.json is `meta`: its steps capped at the block rounds
+    the drafter was trained with per step (`trained_blocks`, written since session 20 for SpecBlock), unless
+    the tree asks for untrained rounds or the folder does not record them."""
+    trained = meta.get("trained_blocks")
+    if trained is None or tree.steps <= int(trained) or tree.untrained_rounds:
+        return tree
+    log.info(
+        f"trees.{name}.steps={tree.steps} -> {trained}: {folder} was trained with {trained} "
+        f"block round(s) a step (trees.{name}.untrained_rounds=true drafts the others too)"
+    )
+    return replace(tree, steps=int(trained))
 
 
 def register_configs() -> None:

@@ -34,7 +34,7 @@ from specblock.data.hardware import WEIGHT_LAYOUTS, resolve_layout, set_weight_l
 from specblock.data.logs import setup_logging
 from specblock.data.target import DEFAULT_TARGET_DIR, DTYPES, FeatureTarget, TargetConfig, load_target
 
-from specblock.evaluate.config import EvalConfig, parse_method, trained_blocks_of
+from specblock.evaluate.config import EvalConfig, parse_method, trained_rounds
 from specblock.evaluate.decoding.drafters import drafting_spec
 from specblock.evaluate.decoding.loop import (
     DRAFTERLESS,
@@ -91,10 +91,10 @@ class Split:
 
 def make_drafter(
     spec: str | None, model, draft_vocab: int | None = None
-) -> tuple[torch.nn.Module | None, list[int] | None]:
-    """(drafter, its feature layers) from an exported folder or `untrained-<name>` (random weights with a
-    draft vocabulary of the first `draft_vocab` ids, None = all: the shape of a trained one, costs only);
-    (None, None) without a drafter."""
+) -> tuple[torch.nn.Module | None, dict | None]:
+    """(drafter, its folder's config.json) from an exported folder, or `untrained-<name>` (random weights
+    with a draft vocabulary of the first `draft_vocab` ids, None = all: the shape of a trained one, costs
+    only; no config); (None, None) without a drafter."""
     if spec is None:
         return None, None
     if spec.startswith(UNTRAINED):
@@ -108,8 +108,7 @@ def make_drafter(
         return build_drafter(name, cfg, model.config, emb, head, d2t).eval(), None
     from specblock.train.export import load_drafter
 
-    module, meta = load_drafter(spec)
-    return module, meta["feature_layers"]
+    return load_drafter(spec)
 
 
 class HFGreedy:
@@ -138,8 +137,9 @@ def decoders(args, model, eos: list[int], layout: str = "row") -> dict[str, Spec
     """One decoder per method, all on `model`: the methods without a drafter once, the others with the
     drafter in the model's dtype, or once per --drafter-dtype (labelled "<method> d:<dtype>") where several
     are given or one differs; the drafter's linear weights stored in `layout` (the target's)."""
-    made, layers = make_drafter(args.drafter, model, args.draft_vocab)
-    plain = [m for m in args.methods if m == HF_GREEDY or parse_method(m.partition("@")[0])[0] in DRAFTERLESS]
+    made, meta = make_drafter(args.drafter, model, args.draft_vocab)
+    layers = meta["feature_layers"] if meta else None
+    plain = [m for m in args.methods if m == HF_GREEDY or parse_method(method_label(m)[0])[0] in DRAFTERLESS]
     drafted = [m for m in args.methods if m not in plain]
     out = method_decoders(args, model, eos, plain, None, layers)
     kinds = args.drafter_dtype or [None]
@@ -151,15 +151,15 @@ def decoders(args, model, eos: list[int], layout: str = "row") -> dict[str, Spec
         suffix = "" if kind is None or (len(kinds) == 1 and dtype == model.dtype) else f" d:{kind}"
         out.update(
             (m + suffix, dec)
-            for m, dec in method_decoders(args, model, eos, drafted, drafter, layers).items()
+            for m, dec in method_decoders(args, model, eos, drafted, drafter, layers, meta).items()
         )
     return out
 
 
 def method_decoders(
-    args, model, eos: list[int], methods: list[str], drafter, layers
+    args, model, eos: list[int], methods: list[str], drafter, layers, meta: dict | None = None
 ) -> dict[str, SpeculativeDecoder]:
-    """One decoder per method of `methods`, with this drafter."""
+    """One decoder per method of `methods`, with this drafter (`meta`: its folder's config.json)."""
     out = {}
     for method in methods:
         if method == HF_GREEDY:
@@ -167,10 +167,7 @@ def method_decoders(
             continue
         name, size, steps = method_label(method)
         mode, verifier = parse_method(name)
-        tree, length = default_tree(drafter), args.draft_length
-        trained = trained_blocks_of(args.drafter) if drafter is not None and args.drafter else None
-        if steps is None and trained is not None and tree.steps > trained:
-            steps = trained  # as the evaluation app does: no rounds past the drafter's training
+        tree, length = default_tree(drafter, meta, args.drafter), args.draft_length
         if steps is not None:
             tree = replace(tree, steps=steps)
         if size and mode in TREE_MODES:
@@ -198,9 +195,13 @@ def method_label(method: str) -> tuple[str, str, int | None]:
     return name, size, int(steps) if sep else None
 
 
-def default_tree(drafter) -> TreeConfig:
-    """The evaluation app's tree shape for this drafter (its spec's, decoding/drafters.py)."""
-    return TreeConfig() if drafter is None else replace(drafting_spec(drafter.cfg.name).default_tree)
+def default_tree(drafter, meta: dict | None = None, folder: str | None = None) -> TreeConfig:
+    """The evaluation app's tree shape for this drafter (its spec's, decoding/drafters.py), with its rounds
+    capped as the app caps them (`trained_rounds`) where its folder's config.json `meta` records them."""
+    if drafter is None:
+        return TreeConfig()
+    tree = replace(drafting_spec(drafter.cfg.name).default_tree)
+    return trained_rounds(drafter.cfg.name, tree, meta, str(folder)) if meta else tree
 
 
 def auto_budget_lines(decs: dict[str, dict[str, SpeculativeDecoder]]) -> list[str]:
