@@ -167,7 +167,8 @@ def method_decoders(
             continue
         name, size, steps = method_label(method)
         mode, verifier = parse_method(name)
-        tree, length = default_tree(drafter, meta, args.drafter), args.draft_length
+        # the trained-rounds cap (and its log line) only where the label does not set the rounds itself
+        tree, length = default_tree(drafter, meta if steps is None else None, args.drafter), args.draft_length
         if steps is not None:
             tree = replace(tree, steps=steps)
         if size and mode in TREE_MODES:

@@ -71,9 +71,25 @@ def grouped_sdpa(
             **kwargs,
         )
     rows = query.reshape(B, Hq // groups, groups * n, hd)  # group g's heads: rows r * n + i of key head g
-    mask = attention_mask.expand(B, 1, n, -1).repeat(1, 1, groups, 1)  # row r * n + i reads query i's row
+    mask = grouped_mask(attention_mask, B, n, groups)
     out = F.scaled_dot_product_attention(rows, key, value, attn_mask=mask, scale=scaling)
     return out.reshape(B, Hq, n, hd).transpose(1, 2).contiguous(), None
+
+
+# The last mask grouped_sdpa repeated: (mask, its version counter, groups, the repeated mask).
+_LAST_MASK: list = [None, -1, 0, None]
+
+
+def grouped_mask(mask: Tensor, B: int, n: int, groups: int) -> Tensor:
+    """mask [B|1,1,n,N] -> [B,1,groups*n,N], row r * n + i reading query i's row. Every layer of one forward
+    passes the same mask tensor, so it is repeated once per forward (the last one is kept, keyed by the
+    tensor itself and its version counter: a mask written in place between calls is repeated again)."""
+    last = _LAST_MASK
+    if last[0] is mask and last[1] == mask._version and last[2] == groups and last[3].shape[0] == B:
+        return last[3]
+    out = mask.expand(B, 1, n, -1).repeat(1, 1, groups, 1)
+    last[:] = [mask, mask._version, groups, out]
+    return out
 
 
 AttentionInterface.register(GROUPED_SDPA, grouped_sdpa)

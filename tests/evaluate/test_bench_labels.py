@@ -34,3 +34,23 @@ def test_method_labels(label, parsed):
 def test_a_bad_round_count_is_refused():
     with pytest.raises(ValueError, match="tree rounds"):
         bench.method_label("tree@4:sx")
+
+
+def test_rounds_in_a_label_override_the_trained_rounds_cap(greedy_setup, caplog):
+    """`tree` takes the drafter folder's cap (trained_blocks 1: one round, with its log line); `tree:s2`
+    asks for two rounds itself: it gets them, and the cap is neither applied nor logged for it."""
+    import argparse
+    import logging
+
+    target, ds = greedy_setup
+    args = argparse.Namespace(draft_length=3, num_drafts=2, temperature=0.0, max_new_tokens=4, drafter="sb")
+    meta = {"trained_blocks": 1}
+    with caplog.at_level(logging.INFO):
+        capped = bench.method_decoders(args, target.model, [], ["tree"], ds["specblock"], None, meta)
+    assert capped["tree"].cfg.tree.steps == 1
+    assert "trees.specblock.steps=2 -> 1" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        asked = bench.method_decoders(args, target.model, [], ["tree:s2"], ds["specblock"], None, meta)
+    assert asked["tree:s2"].cfg.tree.steps == 2
+    assert "-> 1" not in caplog.text

@@ -199,3 +199,21 @@ def test_grouped_attention_hands_unknown_arguments_to_sdpa(monkeypatch):
     assert seen[-1]["softcap"] == 30.0
     out, _ = target_mod.grouped_sdpa(module, q, kv, kv, mask, position_ids=torch.arange(3)[None])
     assert out.shape == (1, 3, 4, 8) and len(seen) == 1
+
+
+def test_grouped_mask_is_repeated_once_per_mask():
+    """Every layer of a forward passes the same mask: it is repeated once (the same tensor comes back),
+    a new mask or one written in place is repeated again, and the rows follow repeat_kv's order."""
+    from specblock.evaluate.decoding.target import grouped_mask
+
+    mask = torch.zeros(1, 1, 2, 4)
+    mask[0, 0, 0, 3] = float("-inf")
+    first = grouped_mask(mask, 1, 2, 3)
+    assert first.shape == (1, 1, 6, 4) and torch.equal(first[0, 0, ::2], mask[0, 0, :1].expand(3, 4))
+    assert grouped_mask(mask, 1, 2, 3) is first
+    mask[0, 0, 1, 2] = float("-inf")  # written in place: its version changed
+    again = grouped_mask(mask, 1, 2, 3)
+    assert again is not first and torch.equal(again[0, 0, 1::2], mask[0, 0, 1:].expand(3, 4))
+    other = mask.clone()
+    assert grouped_mask(other, 1, 2, 3) is not again
+    assert grouped_mask(other, 2, 2, 3).shape == (2, 1, 6, 4)  # another batch size

@@ -344,3 +344,20 @@ def test_a_run_saved_before_each_drafter_had_its_schema_still_loads(tmp_path):
     loaded = OmegaConf.to_object(saved_run_config(tmp_path))
     assert isinstance(loaded.drafter, SpecBlockConfig) and loaded.drafter.num_feature_layers == 3
     assert loaded.drafter.draft_vocab_size == 2048 and not hasattr(loaded.loss, "rank_buckets")
+
+
+def test_cpu_full_math_fine_tunes_the_cpu_full_drafter_on_1600_questions():
+    """The math fine-tune (session 21's recipe): GSM8K's train split, 1,600 questions regenerated, from the
+    exported cpu_full drafter of the same kind, one SpecBlock block a step as cpu_full trained, 200 steps,
+    the valid-prefix loss from step 0."""
+    register_configs()
+    with initialize_config_module("specblock.configs", version_base=None):
+        math, full = (
+            OmegaConf.to_container(compose("train", overrides=[f"experiment={e}"]), resolve=True)
+            for e in ("cpu_full_math", "cpu_full")
+        )
+    assert math["data"]["corpus"]["split"] == "train" and math["data"]["corpus"]["limit"] == 1600
+    assert math["init_from"] == "checkpoints/cpu_full-specblock/drafter"
+    assert math["strategy"]["num_ttt_blocks"] == full["strategy"]["num_ttt_blocks"] == 1
+    assert math["trainer"]["max_steps"] == 200
+    assert math["loss"]["curriculum"]["start"] == math["loss"]["curriculum"]["end"] == 0
