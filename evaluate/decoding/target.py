@@ -85,7 +85,12 @@ def grouped_mask(mask: Tensor, B: int, n: int, groups: int) -> Tensor:
     passes the same mask tensor, so it is repeated once per forward (the last one is kept, keyed by the
     tensor itself and its version counter: a mask written in place between calls is repeated again)."""
     last = _LAST_MASK
-    if last[0] is mask and last[1] == mask._version and last[2] == groups and last[3].shape[0] == B:
+    if (
+        last[0] is mask
+        and last[1] == mask._version
+        and last[2] == groups
+        and last[3].shape[:3] == (B, 1, groups * n)
+    ):
         return last[3]
     out = mask.expand(B, 1, n, -1).repeat(1, 1, groups, 1)
     last[:] = [mask, mask._version, groups, out]

@@ -217,3 +217,6 @@ def test_grouped_mask_is_repeated_once_per_mask():
     other = mask.clone()
     assert grouped_mask(other, 1, 2, 3) is not again
     assert grouped_mask(other, 2, 2, 3).shape == (2, 1, 6, 4)  # another batch size
+    broadcast = torch.zeros(1, 1, 1, 4)  # one mask row for every query
+    assert grouped_mask(broadcast, 1, 2, 3).shape == (1, 1, 6, 4)
+    assert grouped_mask(broadcast, 1, 3, 3).shape == (1, 1, 9, 4)  # the same mask, more queries
