@@ -81,7 +81,7 @@ _LAST_MASK: list = [None, -1, 0, None]
 
 
 def grouped_mask(mask: Tensor, B: int, n: int, groups: int) -> Tensor:
-    """mask [B|1,1,n,N] -> [B,1,groups*n,N], row r * n + i reading query i's row. Every layer of one forward
+    """mask [B|1,1,n|1,N] -> [B,1,groups*n,N], row r * n + i reading query i's row. Every layer of one forward
     passes the same mask tensor, so it is repeated once per forward (the last one is kept, keyed by the
     tensor itself and its version counter: a mask written in place between calls is repeated again)."""
     last = _LAST_MASK
