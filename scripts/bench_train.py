@@ -12,6 +12,7 @@ that its peak memory is its own.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import resource
 import subprocess
@@ -62,6 +63,8 @@ def measure(args) -> dict:
     cfg = spec.config(
         draft_vocab_size=args.draft_vocab, num_feature_layers=len(layers), **{slots[args.drafter]: args.slots}
     )
+    if args.layers is not None and hasattr(cfg, "num_layers"):  # drafters without the field keep their depth
+        cfg = dataclasses.replace(cfg, num_layers=args.layers)
     module = build_drafter(
         args.drafter,
         cfg,
@@ -131,6 +134,12 @@ def main() -> None:
     ap.add_argument("--length", type=int, default=256)
     ap.add_argument("--slots", type=int, default=4, help="SpecBlock K / EAGLE-3 TTT steps")
     ap.add_argument("--blocks", type=int, default=2, help="SpecBlock multi-block TTT blocks")
+    ap.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="decoder layers of a drafter that has the setting (SpecBlock; default: its own)",
+    )
     ap.add_argument("--draft-vocab", type=int, default=8192)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--autocast", action="store_true", help="train the drafter under bf16 autocast")
