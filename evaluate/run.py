@@ -28,12 +28,14 @@ from tqdm.auto import tqdm
 from specblock.data.hardware import resolve_layout, set_weight_layout
 from specblock.data.evalsets import EvalPrompt, EvalSet, EvalSetConfig, load_eval_set, turn_ids
 from specblock.data.io import atomic_path
+from specblock.data.manifest import tokenizer_hash
 from specblock.data.target import DTYPES, FeatureTarget, eos_ids, load_target
 from specblock.data.embedded import ensure_embedded_target
 from specblock.train.export import load_drafter
 
 from .adapt import Adapter
 from .config import EvalConfig, parse_method
+from .decoding.datastore import check_tokenizer
 from .decoding.loop import DRAFTERLESS, DecodeConfig, Generation, SpeculativeDecoder
 from .decoding.trees import AUTO, TreeConfig
 from .precision import PrecisionProbe, measure_precision, needs_probe, precision_note
@@ -189,6 +191,8 @@ def build(cfg: EvalConfig) -> Setup:
     Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
     ensure_embedded_target(cfg.target.name_or_path)
     model, tokenizer = load_target(cfg.target)
+    if cfg.lookup.datastore and {"lookup", "tree+lookup"} & set(cfg.methods):
+        check_tokenizer(cfg.lookup.datastore, tokenizer_hash(tokenizer))  # before minutes of decoding
     set_weight_layout(model, weight_layout(cfg))  # before any copy: the probe's and the baselines' keep it
     sets, unavailable = load_sets(cfg)
     eos, probe, copies = eos_ids(tokenizer, model), None, {}
@@ -295,6 +299,11 @@ def write(
     report = markdown_report(rows) + cost_table(rows) + _mismatch_note(decoded.mismatches, decoded.gaps, cfg)
     report += precision_note(cfg.target, probe)
     report += layout_note(cfg.weight_layout)
+    if cfg.lookup.datastore and {"lookup", "tree+lookup"} & set(cfg.methods):
+        report += (
+            f"\nLookup's datastore (lookup.datastore): where the context has no n-gram match, lookup drafts the most "
+            f"frequent continuation in the answers of {cfg.lookup.datastore} (evaluate/decoding/datastore.py).\n"
+        )
     if decoded.by_category.datasets():
         category_rows = records(decoded.by_category, fields)
         write_jsonl(out_dir / "results_by_category.jsonl", category_rows)
@@ -328,6 +337,7 @@ def record_fields(cfg: EvalConfig) -> dict[str, Any]:
         "max_new_tokens": cfg.max_new_tokens,
         "limit": cfg.limit,
         "trees": {k: asdict(v) for k, v in cfg.trees.items()},
+        "lookup": asdict(cfg.lookup),
     }
 
 

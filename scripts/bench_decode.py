@@ -43,6 +43,7 @@ from specblock.evaluate.decoding.loop import (
     Generation,
     SpeculativeDecoder,
 )
+from specblock.evaluate.decoding.lookup import LookupConfig
 from specblock.evaluate.decoding.target import TargetSession
 from specblock.evaluate.decoding.trees import TreeConfig
 from specblock.evaluate.reporting.metrics import AUTOREGRESSIVE, ratio
@@ -52,6 +53,7 @@ log = logging.getLogger(__name__)
 
 UNTRAINED = "untrained-"  # --drafter untrained-<name>: a randomly initialised drafter (costs only)
 HF_GREEDY = "hf-greedy"  # the leanest baseline: the model's own forward with a cache, nothing else
+DATASTORE_MARK = "#ds"  # a label suffix: lookup backed by --datastore (evaluate/decoding/datastore.py)
 FORWARD_TOKENS = [1, 2, 4, 8, 16, 32, 64, 128]
 
 
@@ -175,9 +177,15 @@ def method_decoders(
             tree = replace(tree, budget=int(size) if size.isdigit() else size)
         elif size.isdigit():
             length = int(size)
+        lookup = LookupConfig()
+        if method.endswith(DATASTORE_MARK):
+            if not args.datastore:
+                raise ValueError(f"method {method!r} drafts from a datastore: give --datastore DATA_FOLDER")
+            lookup = LookupConfig(datastore=args.datastore)
         cfg = DecodeConfig(
             mode, verifier, args.num_drafts if mode == "iid" else 1, length, args.temperature,
             max_new_tokens=args.max_new_tokens, tree=tree, auto_length=size == "auto" and mode not in TREE_MODES,
+            lookup=lookup,
         )  # fmt: skip
         target = FeatureTarget(model, layers if mode not in ("autoregressive", "lookup") else None)
         out[method] = SpeculativeDecoder(target, drafter, cfg, eos)
@@ -188,8 +196,9 @@ def method_label(method: str) -> tuple[str, str, int | None]:
     """A method label -> (evaluation method, size, tree rounds). tree@16 / tree@auto: the tree's budget;
     chain-token@6 / chain-token@auto: the chain's length (auto: chosen per iteration up to --draft-length);
     a trailing :s<R> (tree@4:s1, tree:s1): the tree's drafter rounds (TreeConfig.steps; default: the
-    drafter's own tree, capped at the block rounds it was trained with where its folder records them)."""
-    spec, sep, steps = method.partition(":s")
+    drafter's own tree, capped at the block rounds it was trained with where its folder records them); a
+    trailing #ds (lookup#ds, tree+lookup@auto#ds): lookup backed by the --datastore folder's answers."""
+    spec, sep, steps = method.removesuffix(DATASTORE_MARK).partition(":s")
     if sep and not steps.isdigit():
         raise ValueError(f"method {method!r}: ':s' takes a number of tree rounds, e.g. tree@4:s1")
     name, _, size = spec.partition("@")
@@ -360,6 +369,9 @@ def parse_args(argv: list[str] | None):
         help=f"evaluation methods, and {HF_GREEDY} (temperature 0: the bare HF model with a cache)",
     )  # fmt: skip
     ap.add_argument("--drafter", help="an exported drafter folder, or untrained-eagle3 / untrained-specblock")
+    ap.add_argument(
+        "--datastore", help="a data folder made for this target: methods labelled #ds draft from its answers"
+    )
     ap.add_argument(
         "--draft-vocab",
         type=int,

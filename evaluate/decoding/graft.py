@@ -31,7 +31,7 @@ class LookupGraft:
         self.drafter_nodes: set[int] = set()  # this iteration's nodes the drafter drafted
         self.lookup_nodes: list[int] = []  # this iteration's lookup chain, node per depth
         self.used_drafter = False  # whether this iteration ran the drafter
-        self.ngram = 0  # the n-gram length this iteration's chain followed (0: no match)
+        self.ngram = 0  # what this iteration's chain followed: n, -n (a datastore n-gram), 0 (no match)
 
     def start(self, features: Tensor, after: Tensor) -> None:
         """A new generation: the prompt's positions wait for the first iteration that wants the drafter."""
@@ -41,7 +41,7 @@ class LookupGraft:
     def chain(self, context: list[int]) -> list[int]:
         """Prompt lookup's chain after `context` (the prompt and every generated token)."""
         chain = self.lookup.draft(context) if self.chains else []
-        self.ngram = self.lookup.index.matched if self.chains else 0
+        self.ngram = self.lookup.matched if self.chains else 0
         self.offered = len(chain)
         return chain
 

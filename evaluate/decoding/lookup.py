@@ -6,9 +6,11 @@ the context, and propose the up to L tokens that followed its MOST RECENT earlie
 no draft (the iteration is a plain target step). The context is the prompt plus the tokens generated so
 far, so repeated spans of the prompt (code, quoted text) and of the answer itself are drafted for free.
 
-The draft is a point mass (a deterministic function of the context), so it is verified exactly by
-token-wise speculative sampling with a one-hot draft law: accept x w.p. min(1, q(x) / 1) = q(x), on
-rejection sample from (q - delta_x)_+ normalised, i.e. q with x removed (the `token` verifier).
+With `datastore` set, a context without a match drafts from the target's own answers in a data folder
+instead (datastore.py). The draft is a point mass (a deterministic function of the context), so it is
+verified exactly by token-wise speculative sampling with a one-hot draft law: accept x w.p.
+min(1, q(x) / 1) = q(x), on rejection sample from (q - delta_x)_+ normalised, i.e. q with x removed (the
+`token` verifier).
 """
 
 from __future__ import annotations
@@ -16,20 +18,32 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from specblock.evaluate.decoding.datastore import load_datastore
 from specblock.evaluate.decoding.drafting import DraftCost
 
 
 @dataclass
 class LookupConfig:
-    """max_ngram / min_ngram: the longest and shortest suffix n-gram tried (longest first)."""
+    """max_ngram / min_ngram: the longest and shortest suffix n-gram tried (longest first). datastore: a
+    data-stage folder (or its tokens/ folder) made for this target, whose answers the draft comes from where
+    the context has no match (datastore.py); datastore_max_ngram / datastore_min_ngram: the n-grams it
+    indexes."""
 
     max_ngram: int = 3
     min_ngram: int = 1
+    datastore: str | None = None
+    datastore_max_ngram: int = 4
+    datastore_min_ngram: int = 2
 
     def __post_init__(self):
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise ValueError(
                 f"lookup needs 1 <= min_ngram <= max_ngram, got {self.min_ngram}..{self.max_ngram}"
+            )
+        if not 1 <= self.datastore_min_ngram <= self.datastore_max_ngram:
+            raise ValueError(
+                "lookup needs 1 <= datastore_min_ngram <= datastore_max_ngram, got "
+                f"{self.datastore_min_ngram}..{self.datastore_max_ngram}"
             )
 
 
@@ -78,16 +92,24 @@ class NgramIndex:
 
 class LookupSession:
     """The loop's drafting state for `lookup` (one per decoder, reset per generation). Its `cost` counts
-    no drafter calls, only the seconds spent matching, which reports show as drafting time."""
+    no drafter calls, only the seconds spent matching, which reports show as drafting time. With a
+    datastore the context's own match comes first; where it has none, the datastore's (datastore.py)."""
 
     def __init__(self, cfg: LookupConfig, length: int):
         self.cfg, self.length = cfg, length
         self.cost = DraftCost()
         self.index = NgramIndex(cfg.max_ngram, cfg.min_ngram)
+        self.datastore = (
+            load_datastore(cfg.datastore, cfg.datastore_max_ngram, cfg.datastore_min_ngram, length)
+            if cfg.datastore
+            else None
+        )
+        self.matched = 0  # the last draft's match: n (the context's n-gram), -n (the datastore's), 0 (none)
 
     def reset(self) -> None:
         self.cost = DraftCost()
         self.index = NgramIndex(self.cfg.max_ngram, self.cfg.min_ngram)
+        self.matched = 0
 
     def advance(self, features, tokens, position) -> None:
         """The loop's hook after each verification: nothing to do, the context comes with every draft."""
@@ -98,6 +120,9 @@ class LookupSession:
         generation, so only its new tail is indexed)."""
         start = time.perf_counter()
         self.index.extend(context[len(self.index) :])
-        out = self.index.draft(self.length)
+        out, self.matched = self.index.draft(self.length), self.index.matched
+        if not out and self.datastore is not None:
+            n, out = self.datastore.draft(context, self.length)
+            self.matched = -n
         self.cost.seconds += time.perf_counter() - start
         return out

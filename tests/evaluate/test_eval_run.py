@@ -11,9 +11,12 @@ import torch
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
+from specblock.data.manifest import Manifest, tokenizer_hash
+from specblock.data.shards import write_token_shards
 from specblock.data.target import TINY_TARGET_DIR, TargetConfig, auto_dtype, load_target
 from specblock.data.embedded import ensure_embedded_target
 from specblock.evaluate.config import METHODS, EvalConfig, parse_method, register_configs
+from specblock.evaluate.decoding.lookup import LookupConfig
 from specblock.evaluate.pipeline import DRAFTERS, build_parser, compose_eval, config_diff, stage_overrides
 from specblock.evaluate.reporting.report import read_jsonl
 from specblock.evaluate.run import evaluate
@@ -354,3 +357,26 @@ def test_auto_dtype_is_bf16_only_where_bf16_products_are_measured_faster(monkeyp
     assert TargetConfig(dtype="auto").dtype in ("bfloat16", "float32")
     with pytest.raises(ValueError, match="auto"):
         TargetConfig(dtype="float64")
+
+
+def test_lookup_with_a_datastore_in_the_app_and_another_tokenizers_refused(tmp_path):
+    """lookup.datastore through `evaluate`: greedy equality holds, the records and the report name it; a
+    data folder tokenized by another tokenizer is refused before any decoding, naming its manifest."""
+    ensure_embedded_target(TINY_TARGET_DIR)
+    tcfg = TargetConfig(name_or_path=TINY_TARGET_DIR, dtype="float32")
+    _, tokenizer = load_target(tcfg)
+    rows = [{"input_ids": list(range(5, 45)), "loss_mask": [0] * 4 + [1] * 36}]
+    for name, hashed in [("good", tokenizer_hash(tokenizer)), ("bad", "another-tokenizer")]:
+        manifest = Manifest(kind="tokens", target_id="x", tokenizer_hash=hashed, max_length=64, dtype="int32")
+        write_token_shards(rows, tmp_path / name / "tokens", manifest)
+    cfg = EvalConfig(
+        output_dir=str(tmp_path / "eval"), target=tcfg, methods=["autoregressive", "lookup"], datasets=["humaneval"],
+        local_root=None, limit=1, max_new_tokens=6, lookup=LookupConfig(datastore=str(tmp_path / "good")),
+    )  # fmt: skip
+    out = evaluate(cfg)
+    assert all(r["greedy_mismatches"] == 0 for r in out if r["dataset"] == "overall")
+    assert {r["lookup"]["datastore"] for r in out} == {str(tmp_path / "good")}
+    assert "Lookup's datastore (lookup.datastore)" in (tmp_path / "eval" / "results.md").read_text()
+    cfg.lookup = LookupConfig(datastore=str(tmp_path / "bad"))
+    with pytest.raises(ValueError, match=r"bad/tokens/manifest.json: tokenizer_hash is another-toke"):
+        evaluate(cfg)
