@@ -53,6 +53,9 @@ class Drafts:
             alone = None if self.auto is None else self.auto.lookup_alone(len(chain), self.graft.ngram)
             if alone is not None:  # the chain alone (cut to its best length) is expected to emit faster
                 self.scores = []
+                if not chain:  # a plain step, unless lookup's datastore has a chain
+                    chain = self.graft.fallback(context)
+                    alone = len(chain)
                 return Draft(self.graft.chain_alone(chain[:alone]))
             return Draft(self.tree_with_lookup(self.graft.catch_up(self.drafter), chain))
         if cfg.mode == "tree":

@@ -115,14 +115,22 @@ class LookupSession:
         """The loop's hook after each verification: nothing to do, the context comes with every draft."""
         return None
 
-    def draft(self, context: list[int]) -> list[int]:
+    def draft(self, context: list[int], datastore: bool = True) -> list[int]:
         """The draft after `context` (the prompt + every generated token; it only grows within a
-        generation, so only its new tail is indexed)."""
+        generation, so only its new tail is indexed); the datastore's where the context has no match
+        (unless `datastore` is False)."""
         start = time.perf_counter()
         self.index.extend(context[len(self.index) :])
         out, self.matched = self.index.draft(self.length), self.index.matched
-        if not out and self.datastore is not None:
-            n, out = self.datastore.draft(context, self.length)
-            self.matched = -n
+        self.cost.seconds += time.perf_counter() - start
+        return out or (self.datastore_draft(context) if datastore else out)
+
+    def datastore_draft(self, context: list[int]) -> list[int]:
+        """The datastore's draft after `context` ([] without a datastore); `matched` = -n."""
+        if self.datastore is None:
+            return []
+        start = time.perf_counter()
+        n, out = self.datastore.draft(context, self.length)
+        self.matched = -n
         self.cost.seconds += time.perf_counter() - start
         return out

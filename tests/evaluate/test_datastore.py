@@ -16,7 +16,7 @@ from specblock.evaluate.decoding.loop import DecodeConfig, SpeculativeDecoder
 from specblock.evaluate.decoding.lookup import LookupConfig, LookupSession
 from specblock.evaluate.decoding.trees import TreeConfig
 
-from tiny_decoding import HORIZON, PROMPT, VOCAB, exact_law, loop_law, max_error, tiny_target
+from tiny_decoding import HORIZON, PROMPT, REPEATS, VOCAB, exact_law, loop_law, max_error, tiny_target
 
 
 def direct(seqs: list[list[int]], n: int, length: int) -> dict[tuple, list[int]]:
@@ -126,9 +126,8 @@ def greedy_answers(target, prompts: list[list[int]], n: int) -> list[dict]:
     return rows
 
 
-@pytest.mark.parametrize("mode", ["lookup", "tree+lookup"])
-def test_lookup_with_a_datastore_equals_target_greedy(greedy_setup, tmp_path, mode):
-    target, ds = greedy_setup
+def test_lookup_with_a_datastore_equals_target_greedy(greedy_setup, tmp_path):
+    target, _ = greedy_setup
     rng = random.Random(1)
     prompts = [[rng.randrange(64) for _ in range(4)] for _ in range(6)]
     token_folder(
@@ -136,16 +135,51 @@ def test_lookup_with_a_datastore_equals_target_greedy(greedy_setup, tmp_path, mo
     )
     lookup = LookupConfig(datastore=str(tmp_path / "data"))
     ar = DecodeConfig(mode="autoregressive", temperature=0.0, max_new_tokens=20)
-    cfg = DecodeConfig(
-        mode, draft_length=4, temperature=0.0, max_new_tokens=20, lookup=lookup, tree=TreeConfig(budget=6)
-    )
+    cfg = DecodeConfig("lookup", draft_length=4, temperature=0.0, max_new_tokens=20, lookup=lookup)
     accepted = 0
     for p in prompts + [[5, 6, 7]]:
         ref = SpeculativeDecoder(target, None, ar).generate(p)
-        out = SpeculativeDecoder(target, ds["specblock"] if mode != "lookup" else None, cfg).generate(p)
+        out = SpeculativeDecoder(target, None, cfg).generate(p)
         assert out.tokens == ref.tokens
         accepted += sum(it.accepted for it in out.iterations)
     assert accepted >= 10  # the datastore's continuations were drafted and accepted
+
+
+def test_tree_lookup_drafts_the_datastore_only_instead_of_a_plain_step(greedy_setup, tmp_path, monkeypatch):
+    """tree+lookup with budget=auto: where the gate would take a plain step (no context match, the drafter
+    not called) the datastore's chain is verified instead; beside the drafter no datastore chain is offered.
+    The gate is patched to skip the drafter exactly where the context has no match."""
+    target, ds = greedy_setup
+    rng = random.Random(3)
+    prompts = [[rng.randrange(64) for _ in range(4)] for _ in range(4)]
+    token_folder(tmp_path, greedy_answers(target, prompts, 16))
+    tree = TreeConfig(budget="auto", max_budget=6, steps=1, beam=2, topk=2)
+    lookup = LookupConfig(datastore=str(tmp_path / "data"))
+    cfg = DecodeConfig(
+        "tree+lookup", draft_length=4, temperature=0.0, max_new_tokens=16, tree=tree, lookup=lookup
+    )
+    ar = DecodeConfig(mode="autoregressive", temperature=0.0, max_new_tokens=16)
+    from_datastore, beside = 0, []  # beside: what the chain followed where the drafter ran
+    for p in prompts + [REPEATS]:  # REPEATS: context matches, so the drafter runs too
+        dec = SpeculativeDecoder(target, ds["specblock"], cfg)
+        monkeypatch.setattr(dec.auto, "lookup_alone", lambda n, ngram=0: 0 if n == 0 else None)
+        offered, inner = [], dec.graft.fallback
+        monkeypatch.setattr(
+            dec.graft, "fallback", lambda context: offered.append(inner(context)) or offered[-1]
+        )
+        catch_up = dec.graft.catch_up
+        monkeypatch.setattr(
+            dec.graft, "catch_up", lambda s, g=dec.graft: beside.append(g.ngram) or catch_up(s)
+        )
+        out = dec.generate(p)
+        assert out.tokens == SpeculativeDecoder(target, None, ar).generate(p).tokens
+        drafterless = [it for it in out.iterations if it.drafter_calls == 0]
+        assert len(offered) == len(drafterless)  # asked exactly where the drafter was left out
+        from_datastore += sum(it.accepted for it in drafterless)
+    assert from_datastore >= 8  # the datastore's greedy continuations, accepted without the drafter
+    assert (
+        beside and min(beside) >= 0
+    )  # a context chain or none beside the drafter, never a datastore's (< 0)
 
 
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 0.5), (0.7, 0.5)])

@@ -128,7 +128,7 @@ def test_auto_tree_lookup_leaves_the_drafter_out_where_the_chain_alone_pays(gree
     dec.auto.curve = ForwardCurve([1, 64], [10.0, 10.0 + 63 * 5.0])
     dec.auto.gate_iterations, dec.auto.gate_gain, dec.auto.gate_nodes, dec.auto.gate_ms = 10, 0.0, 40.0, 500.0
     seen, inner = [], dec.graft.lookup.draft
-    monkey = lambda context: seen.append(inner(context)) or seen[-1]  # noqa: E731
+    monkey = lambda context, **kw: seen.append(inner(context, **kw)) or seen[-1]  # noqa: E731
     dec.graft.lookup.draft = monkey
     ar = DecodeConfig(mode="autoregressive", temperature=0.0, max_new_tokens=24)
     out = dec.generate(REPEATS)
