@@ -191,7 +191,7 @@ def build(cfg: EvalConfig) -> Setup:
     Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
     ensure_embedded_target(cfg.target.name_or_path)
     model, tokenizer = load_target(cfg.target)
-    if cfg.lookup.datastore and {"lookup", "tree+lookup"} & set(cfg.methods):
+    if uses_datastore(cfg):
         check_tokenizer(cfg.lookup.datastore, tokenizer_hash(tokenizer))  # before minutes of decoding
     set_weight_layout(model, weight_layout(cfg))  # before any copy: the probe's and the baselines' keep it
     sets, unavailable = load_sets(cfg)
@@ -200,6 +200,11 @@ def build(cfg: EvalConfig) -> Setup:
     if needs_probe(cfg) and first is not None:
         model, probe, copies = measure_precision(cfg, model, tokenizer, first, decoders, eos)
     return Setup(model, tokenizer, decoders(cfg, model, eos, copies), sets, unavailable, probe)
+
+
+def uses_datastore(cfg: EvalConfig) -> bool:
+    """Whether a method that drafts with lookup runs with lookup's datastore."""
+    return bool(cfg.lookup.datastore) and bool({"lookup", "tree+lookup"} & set(cfg.methods))
 
 
 def weight_layout(cfg: EvalConfig) -> str:
@@ -299,7 +304,7 @@ def write(
     report = markdown_report(rows) + cost_table(rows) + _mismatch_note(decoded.mismatches, decoded.gaps, cfg)
     report += precision_note(cfg.target, probe)
     report += layout_note(cfg.weight_layout)
-    if cfg.lookup.datastore and {"lookup", "tree+lookup"} & set(cfg.methods):
+    if uses_datastore(cfg):
         report += (
             f"\nLookup's datastore (lookup.datastore): where the context has no n-gram match, lookup drafts the most "
             f"frequent continuation in the answers of {cfg.lookup.datastore} (evaluate/decoding/datastore.py).\n"

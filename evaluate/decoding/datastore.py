@@ -22,9 +22,8 @@ from pathlib import Path
 from typing import Iterable
 
 import numpy as np
-from safetensors.numpy import load_file
-
-from specblock.data.manifest import read_manifest
+from specblock.data.manifest import check, read_manifest
+from specblock.data.shards import TokenDataset
 
 log = logging.getLogger(__name__)
 
@@ -134,34 +133,21 @@ def token_folder(path: str | Path) -> Path:
 
 def answers(folder: str | Path) -> list[np.ndarray]:
     """The target-written spans (loss_mask 1) of every row of a token-shard folder."""
-    folder = token_folder(folder)
-    manifest = read_manifest(folder)
-    if manifest.kind != "tokens":
-        raise ValueError(f"{folder}: a '{manifest.kind}' folder, the datastore reads token shards")
+    rows = TokenDataset(token_folder(folder))
     out = []
-    for shard in manifest.shards:
-        t = load_file(str(folder / shard.file))
-        ids, mask, offsets = t["input_ids"].astype(np.int64), t["loss_mask"].astype(bool), t["offsets"]
-        # a span starts where the mask rises (or at a row start) and ends where it falls (or at a row end)
-        edges = np.zeros(len(ids) + 1, dtype=bool)
-        edges[offsets] = True
-        change = np.flatnonzero(np.diff(np.concatenate([[False], mask, [False]]).astype(np.int8)) | edges)
-        for a, b in zip(change[:-1], change[1:]):
-            if mask[a]:
-                out.append(ids[a:b])
+    for i in range(len(rows)):
+        row = rows[i]
+        ids, mask = row["input_ids"].numpy(), row["loss_mask"].numpy().astype(np.int8)
+        edges = np.flatnonzero(np.diff(np.concatenate([[0], mask, [0]])))  # each span's start, then its end
+        out += [ids[a:b] for a, b in zip(edges[::2], edges[1::2])]
     return out
 
 
 def check_tokenizer(folder: str | Path, tokenizer_hash: str) -> None:
     """Refuse a datastore whose answers were tokenized by another tokenizer (its ids would mean other
-    tokens), naming the manifest and the field."""
-    path = token_folder(folder) / "manifest.json"
-    have = read_manifest(token_folder(folder)).tokenizer_hash
-    if have != tokenizer_hash:
-        raise ValueError(
-            f"{path}: tokenizer_hash is {have[:12]}..., the target's tokenizer hashes to {tokenizer_hash[:12]}...: "
-            "lookup.datastore must be a data folder made for this target"
-        )
+    tokens): the data stage's manifest check, naming the manifest and the field."""
+    folder = token_folder(folder)
+    check(read_manifest(folder), {"tokenizer_hash": tokenizer_hash}, where=str(folder / "manifest.json"))
 
 
 @functools.lru_cache(maxsize=4)

@@ -123,7 +123,9 @@ class LookupSession:
         self.index.extend(context[len(self.index) :])
         out, self.matched = self.index.draft(self.length), self.index.matched
         self.cost.seconds += time.perf_counter() - start
-        return out or (self.datastore_draft(context) if datastore else out)
+        if out or not datastore:
+            return out
+        return self.datastore_draft(context)
 
     def datastore_draft(self, context: list[int]) -> list[int]:
         """The datastore's draft after `context` ([] without a datastore); `matched` = -n."""

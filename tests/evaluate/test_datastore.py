@@ -99,7 +99,10 @@ def test_answers_are_the_masked_spans_of_every_row(tmp_path):
 def test_a_datastore_of_another_tokenizer_is_refused(tmp_path):
     token_folder(tmp_path, [row([7], [1, 2, 3])], tokenizer_hash="abc")
     check_tokenizer(tmp_path / "data", "abc")
-    with pytest.raises(ValueError, match=r"tokens/manifest.json: tokenizer_hash is abc"):
+    with pytest.raises(
+        ValueError,
+        match=r"tokens/manifest.json does not match[^']*tokenizer_hash: expected 'def' vs found 'abc'",
+    ):
         check_tokenizer(tmp_path / "data", "def")
 
 

@@ -378,5 +378,8 @@ def test_lookup_with_a_datastore_in_the_app_and_another_tokenizers_refused(tmp_p
     assert {r["lookup"]["datastore"] for r in out} == {str(tmp_path / "good")}
     assert "Lookup's datastore (lookup.datastore)" in (tmp_path / "eval" / "results.md").read_text()
     cfg.lookup = LookupConfig(datastore=str(tmp_path / "bad"))
-    with pytest.raises(ValueError, match=r"bad/tokens/manifest.json: tokenizer_hash is another-toke"):
+    with pytest.raises(
+        ValueError,
+        match=r"bad/tokens/manifest.json does not match[^']*tokenizer_hash: expected '[0-9a-f]{64}' vs found 'another-tokenizer'",
+    ):
         evaluate(cfg)
