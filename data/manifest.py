@@ -122,10 +122,12 @@ def write_manifest(folder: str | Path, manifest: Manifest) -> Path:
 
 
 def read_manifest(path: str | Path) -> Manifest:
-    """Reads a manifest.json (or the one inside a folder). Raises BadInputError naming the file and the
-    field when it is missing, malformed, of an unknown version, or inconsistent."""
+    """Reads a manifest.json (or the one inside a folder: any path not ending in .json). Raises BadInputError
+    naming the file and the field when it is missing, malformed, of an unknown version, or inconsistent."""
     path = Path(path)
-    path = path / MANIFEST_NAME if path.is_dir() else path
+    path = (
+        path if path.suffix == ".json" and not path.is_dir() else path / MANIFEST_NAME
+    )  # one name in every error
     if not path.is_file():
         raise BadInputError(
             str(path), None, None, "no manifest here (was the capture or prepare step finished?)"

@@ -23,16 +23,15 @@ from specblock.data.target import DEFAULT_TARGET_DIR, FeatureTarget, TargetConfi
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from specblock.evaluate.decoding import target as target_mod
-from specblock.evaluate.decoding.target import GROUPED_SDPA, TargetSession
+from specblock.evaluate.decoding.target import GROUPED_SDPA, TargetSession, forget_grouped_mask, grouped_sdpa
 
 PER_LAYER = "specblock_grouped_sdpa_per_layer_mask"
 
 
 def grouped_per_layer_mask(*args, **kwargs):
     """grouped_sdpa with the mask repeated in every layer (its cache of the last mask emptied first)."""
-    target_mod._LAST_MASK[0] = None
-    return target_mod.grouped_sdpa(*args, **kwargs)
+    forget_grouped_mask()
+    return grouped_sdpa(*args, **kwargs)
 
 
 AttentionInterface.register(PER_LAYER, grouped_per_layer_mask)

@@ -97,6 +97,11 @@ def grouped_mask(mask: Tensor, B: int, n: int, groups: int) -> Tensor:
     return out
 
 
+def forget_grouped_mask() -> None:
+    """Empty grouped_mask's cache of the last repeated mask (an A/B of the per-layer repeat uses it)."""
+    _LAST_MASK[:] = [None, -1, 0, None]
+
+
 AttentionInterface.register(GROUPED_SDPA, grouped_sdpa)
 # Its masks are sdpa's: without a registered mask function transformers turns no 2-D padding mask into a
 # 4-D one for this implementation (a padded call of the same model would attend to its padding).

@@ -83,6 +83,10 @@ def test_read_names_the_file_and_the_bad_field(tmp_path, changes, field, problem
 def test_read_refuses_missing_bad_json_and_inconsistent_counts(tmp_path):
     with pytest.raises(BadInputError, match="no manifest here"):
         read_manifest(tmp_path)
+    for folder in (tmp_path, tmp_path / "not-made-yet"):  # a folder, made or not: the file it lacks is named
+        with pytest.raises(BadInputError) as err:
+            read_manifest(folder)
+        assert err.value.path == str(folder / "manifest.json")
     (tmp_path / "manifest.json").write_text("{not json")
     with pytest.raises(BadInputError, match="manifest.json: not valid JSON"):
         read_manifest(tmp_path)

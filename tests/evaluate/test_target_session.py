@@ -204,7 +204,7 @@ def test_grouped_attention_hands_unknown_arguments_to_sdpa(monkeypatch):
 def test_grouped_mask_is_repeated_once_per_mask():
     """Every layer of a forward passes the same mask: it is repeated once (the same tensor comes back),
     a new mask or one written in place is repeated again, and the rows follow repeat_kv's order."""
-    from specblock.evaluate.decoding.target import grouped_mask
+    from specblock.evaluate.decoding.target import forget_grouped_mask, grouped_mask
 
     mask = torch.zeros(1, 1, 2, 4)
     mask[0, 0, 0, 3] = float("-inf")
@@ -220,3 +220,6 @@ def test_grouped_mask_is_repeated_once_per_mask():
     broadcast = torch.zeros(1, 1, 1, 4)  # one mask row for every query
     assert grouped_mask(broadcast, 1, 2, 3).shape == (1, 1, 6, 4)
     assert grouped_mask(broadcast, 1, 3, 3).shape == (1, 1, 9, 4)  # the same mask, more queries
+    kept = grouped_mask(broadcast, 1, 3, 3)
+    forget_grouped_mask()  # the cache emptied: the same mask is repeated again
+    assert grouped_mask(broadcast, 1, 3, 3) is not kept
