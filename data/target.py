@@ -208,12 +208,17 @@ class TargetHead:
         bias = self.bias.to(device) if self.bias is not None else None
         return TargetHead(self.weight.to(device), bias, self.softcap)
 
-    def __call__(self, last_hidden: torch.Tensor) -> torch.Tensor:
+    def __call__(self, last_hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """logits [..., V]: float32 (at least), or with `upcast=False` in the head's own dtype where no soft cap
+        applies (bf16 stays bf16: a reader that upcasts only the columns it needs gets the same bits, at half
+        the memory traffic of a [..., 49k] float32 copy)."""
         x = last_hidden.to(self.weight.device, self.weight.dtype)
         if self.linear is not None and self.linear.weight.data_ptr() == self.weight.data_ptr():
             logits = self.linear(x)  # the module's own forward: the same product, its kernel
         else:
             logits = torch.nn.functional.linear(x, self.weight, self.bias)
+        if self.softcap is None and not upcast:
+            return logits
         logits = logits.float() if logits.element_size() < 4 else logits
         return logits if self.softcap is None else torch.tanh(logits / self.softcap) * self.softcap
 

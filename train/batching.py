@@ -54,6 +54,7 @@ def teacher_and_valid(
 ) -> tuple[TeacherLaw, torch.Tensor]:
     """The teacher's law per target position and the validity of every (position, slot).
 
+    target_logits [B, T, V] in any float dtype (bf16 included: only the draft columns are upcast, exactly).
     Returns law [B, T+slots] (a TeacherLaw over the draft vocabulary: row j is the target's softmax at
     position j restricted to the draft vocabulary; rows j >= T are zero padding, never valid) and valid
     [B, S, slots]. Slot k at context position t reads row t+1+k: `law.slot_grid(1 + offset, S, K)` gives a

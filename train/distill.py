@@ -30,7 +30,6 @@ from .batching import shifted_tokens, teacher_and_valid
 from .losses import LossConfig, normalised_loss, specblock_loss
 from .modeling import DrafterOutput, block_offsets
 from .strategy import COUNT_SUFFIX, SCALAR_PREFIX, SUM_SUFFIX, StepOutput
-from .teacher_law import at_least_fp32
 
 
 @dataclass
@@ -129,20 +128,22 @@ class DistillStrategy:
     # ---------------------------------------------------------------- pieces
     @torch.no_grad()
     def target_outputs(self, batch: dict[str, Any]) -> tuple[Tensor, Tensor]:
-        """features [B, T, F*H] and logits [B, T, V] (at least float32) of the frozen target."""
+        """features [B, T, F*H] and logits [B, T, V] of the frozen target, in its own dtype: the teacher reads
+        the draft vocabulary's columns upcast to float32 and the argmax (`teacher_and_valid`), and an upcast is
+        exact, so the same bits as upcasting all 49k columns first, which cost ~0.24 s of a cpu_full step."""
         dtype = next(self.module.parameters()).dtype  # a bf16 target or cache may feed an fp32 drafter
         if "features" in batch:  # offline: logits recomputed through the frozen LM head
             # in the head's own dtype, as the online target computes them (bf16 matmuls are also ~4x faster)
             if self.head.weight.device != batch["last_hidden"].device:
                 self.head = self.head.to(batch["last_hidden"].device)  # once, not every step
-            return batch["features"].to(dtype), self.head(batch["last_hidden"])
+            return batch["features"].to(dtype), self.head(batch["last_hidden"], upcast=False)
         out = self.teacher(
             input_ids=batch["input_ids"],
             attention_mask=batch["attention_mask"],
             output_hidden_states=True,
             use_cache=False,
         )  # the model's own logits: its head, soft-capped where the model does so
-        return concat_features(out.hidden_states, self.feature_layers).to(dtype), at_least_fp32(out.logits)
+        return concat_features(out.hidden_states, self.feature_layers).to(dtype), out.logits
 
     def draft(
         self, features: Tensor, tokens: Tensor, attention: Tensor, step: int

@@ -44,3 +44,35 @@ def test_teacher_rows_and_validity_follow_the_eagle3_alignment():
             p = t + 2 + k
             expected[t, k] = p <= T - 1 and batch["loss_mask"][0, p] == 1 and (t + 1 + k) % V != 4
     assert torch.equal(valid[0], expected)
+
+
+def test_bf16_logits_give_the_teacher_of_their_float32_upcast_bit_for_bit():
+    """The strategies hand the target's logits over in its own dtype (bf16 for our targets): the teacher's
+    law, argmax and validity equal those of the logits upcast first, ties included (bf16 has many)."""
+    g = torch.Generator().manual_seed(0)
+    B, T, V, K = 2, 9, 64, 3
+    logits = (torch.randint(0, 6, (B, T, V), generator=g) / 4).to(torch.bfloat16)  # ties at the top
+    batch = {
+        "attention_mask": torch.ones(B, T, dtype=torch.long),
+        "loss_mask": torch.randint(0, 2, (B, T), generator=g),
+    }
+    d2t = torch.randperm(V, generator=g)[:24].sort().values
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[d2t] = True
+    law, valid = teacher_and_valid(batch, logits, d2t, t2d, K)
+    law32, valid32 = teacher_and_valid(batch, logits.float(), d2t, t2d, K)
+    assert law.probs.dtype == torch.float32 and torch.equal(valid, valid32) and valid.any() and not valid.all()
+    for mine, theirs in zip(law, law32):
+        assert torch.equal(mine, theirs)
+
+
+def test_target_head_keeps_its_dtype_only_when_asked_and_uncapped():
+    from specblock.data.target import TargetHead
+
+    g = torch.Generator().manual_seed(1)
+    w, x = torch.randn(32, 8, generator=g).bfloat16(), torch.randn(3, 8, generator=g)
+    plain = TargetHead(w)
+    assert plain(x).dtype == torch.float32 and plain(x, upcast=False).dtype == torch.bfloat16
+    assert torch.equal(plain(x, upcast=False).float(), plain(x))
+    capped = TargetHead(w, softcap=5.0)  # the cap is applied in float32 either way
+    assert capped(x, upcast=False).dtype == torch.float32 and torch.equal(capped(x, upcast=False), capped(x))
