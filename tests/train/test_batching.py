@@ -61,7 +61,9 @@ def test_bf16_logits_give_the_teacher_of_their_float32_upcast_bit_for_bit():
     t2d[d2t] = True
     law, valid = teacher_and_valid(batch, logits, d2t, t2d, K)
     law32, valid32 = teacher_and_valid(batch, logits.float(), d2t, t2d, K)
-    assert law.probs.dtype == torch.float32 and torch.equal(valid, valid32) and valid.any() and not valid.all()
+    assert (
+        law.probs.dtype == torch.float32 and torch.equal(valid, valid32) and valid.any() and not valid.all()
+    )
     for mine, theirs in zip(law, law32):
         assert torch.equal(mine, theirs)
 
