@@ -58,16 +58,38 @@ def as_law(teacher: Tensor | TeacherLaw) -> TeacherLaw:
     return teacher if isinstance(teacher, TeacherLaw) else TeacherLaw.from_logits(teacher)
 
 
+# Rows of the KL per chunk: ~2 MB of float32 logits, so the upcast, log-sum-exp, dot product and the gradient's
+# in-place steps run over a chunk in cache instead of over the whole [B, S, K, V] tensor in memory (session 23,
+# [4, 378, 4, 8192] bf16 logits, 2 threads: forward 273 -> 82-92 ms, backward 169 -> ~100 ms, same bits).
+KL_CHUNK_ELEMENTS = 1 << 19
+
+
+def _row_chunks(x: Tensor) -> tuple[int, list[tuple[int, int]]]:
+    """(dim, [(start, length)]): x [..., V] cut along dim 1 (dim 0 for 2-D x) into chunks of about
+    KL_CHUNK_ELEMENTS; views of any strided tensor, no copy."""
+    dim = 1 if x.dim() >= 3 else 0
+    n = x.shape[dim]
+    per = max(1, KL_CHUNK_ELEMENTS // max(1, x.numel() // max(1, n)))
+    return dim, [(a, min(per, n - a)) for a in range(0, n, per)]
+
+
 class _KLToSoftmax(torch.autograd.Function):
     """KL(p || softmax(z)) = sum p log p - sum p z + logsumexp(z) per row (p sums to 1), 0 where invalid.
     Backward: dKL/dz = softmax(z) - p. Nothing of size [..., V] is saved but the inputs themselves (z in
-    its own dtype, p usually a view shared between slots): a log-softmax would keep a float32 copy."""
+    its own dtype, p usually a view shared between slots): a log-softmax would keep a float32 copy. Both
+    passes run chunk by chunk (KL_CHUNK_ELEMENTS), the backward in place in one float32 buffer per chunk."""
 
     @staticmethod
     def forward(ctx, z: Tensor, p: Tensor, neg_entropy: Tensor, valid: Tensor) -> Tensor:
-        z32 = at_least_fp32(z)
-        lse = torch.logsumexp(z32, dim=-1)  # [...]
-        kl = torch.where(valid, neg_entropy - (p * z32).sum(-1) + lse, 0.0)
+        dt = torch.promote_types(p.dtype, at_least_fp32(z[..., :1]).dtype)
+        lse = torch.empty(z.shape[:-1], dtype=dt, device=z.device)
+        dot = torch.empty_like(lse)
+        dim, chunks = _row_chunks(z)
+        for a, n in chunks:
+            zc = at_least_fp32(z.narrow(dim, a, n)).to(dt)
+            lse.narrow(dim, a, n).copy_(torch.logsumexp(zc, dim=-1))
+            dot.narrow(dim, a, n).copy_(torch.linalg.vecdot(p.narrow(dim, a, n).to(dt), zc))
+        kl = torch.where(valid, neg_entropy - dot + lse, 0.0)
         ctx.save_for_backward(z, p, lse, valid)
         return kl
 
@@ -75,8 +97,15 @@ class _KLToSoftmax(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         z, p, lse, valid = ctx.saved_tensors
         g = torch.where(valid, grad, 0.0).unsqueeze(-1)
-        dz = (torch.exp(at_least_fp32(z) - lse.unsqueeze(-1)) - p).mul_(g)
-        return dz.to(z.dtype), None, None, None
+        dz = torch.empty_like(z)
+        dim, chunks = _row_chunks(z)
+        for a, n in chunks:
+            zc = z.narrow(dim, a, n)
+            buf = at_least_fp32(zc)
+            buf = buf.clone() if buf is zc else buf  # never write into the saved logits
+            buf.sub_(lse.narrow(dim, a, n).unsqueeze(-1)).exp_().sub_(p.narrow(dim, a, n))
+            dz.narrow(dim, a, n).copy_(buf.mul_(g.narrow(dim, a, n)))
+        return dz, None, None, None
 
 
 def forward_kl(

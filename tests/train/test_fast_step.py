@@ -16,7 +16,7 @@ from specblock.train import losses
 from specblock.train.batching import shifted_tokens
 from specblock.train.losses import leading_run
 from specblock.train.rank_labels import rank_classes
-from specblock.train.teacher_law import forward_kl
+from specblock.train.teacher_law import TeacherLaw, forward_kl
 from specblock.train.modeling import common
 
 from tiny_models import distill_strategy
@@ -121,6 +121,26 @@ def test_kl_gradient_is_softmax_minus_teacher_and_zero_where_invalid():
     assert torch.autograd.gradcheck(lambda x: forward_kl(x, teacher, valid), (z.detach().requires_grad_(),))
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_kl_backward_works_in_place_on_its_own_buffer_only(dtype):
+    """The backward pass computes softmax(z) - p in one buffer in place: the logits it saved (whatever their
+    dtype, float32 ones being their own upcast) and the teacher are left as they were, and the gradient is
+    the one of the out-of-place formula."""
+    torch.manual_seed(1)
+    z = torch.randn(2, 4, 3, 9).to(dtype).requires_grad_()
+    p = torch.randn(2, 6, 9).softmax(-1).unfold(1, 3, 1).movedim(-1, 2)  # [2, 4, 3, 9], a strided view
+    law = TeacherLaw(p, torch.xlogy(p, p).sum(-1), p.argmax(-1))
+    valid = torch.rand(2, 4, 3) > 0.3
+    z_before, p_before = z.detach().clone(), p.clone()
+    (grad,) = torch.autograd.grad(forward_kl(z, law, valid).sum(), z)
+    assert torch.equal(z.detach(), z_before) and torch.equal(p, p_before)
+    z32 = z_before.double()
+    expected = (z32.softmax(-1) - p.double()) * valid.unsqueeze(-1)
+    tol = {torch.float64: 1e-12, torch.float32: 1e-6, torch.bfloat16: 1e-2}[dtype]
+    assert grad.dtype == dtype
+    torch.testing.assert_close(grad.double(), expected, rtol=tol, atol=tol)
+
+
 def test_grid_mask_is_causal_only_for_right_padding():
     right = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
     assert common.grid_mask(4, 2, right, 2, torch.device("cpu")) is None
@@ -130,3 +150,22 @@ def test_grid_mask_is_causal_only_for_right_padding():
     # the causal claim itself: with every key valid the slot mask IS the flat causal mask
     full = common.slot_mask(5, 3, None, earlier=True, same_slots=None)[0, 0]
     assert torch.equal(full, torch.ones(15, 15, dtype=torch.bool).tril())
+
+
+@pytest.mark.parametrize("shape", [(5, 7), (2, 5, 7), (2, 5, 3, 7)])
+@pytest.mark.parametrize("chunk", [1, 20, 10**9])  # one row per chunk, a few rows, all at once
+def test_kl_in_chunks_is_the_kl(shape, chunk, monkeypatch):
+    """The KL and its gradient, computed chunk by chunk along the rows, equal the formula on any layout."""
+    from specblock.train import teacher_law
+
+    monkeypatch.setattr(teacher_law, "KL_CHUNK_ELEMENTS", chunk)
+    torch.manual_seed(2)
+    z = torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+    teacher = torch.randn(*shape, dtype=torch.float64)
+    valid = torch.rand(*shape[:-1]) > 0.3
+    weights = torch.randn(*shape[:-1], dtype=torch.float64)
+    fast = forward_kl(z, teacher, valid)
+    torch.testing.assert_close(fast, reference_kl(z, teacher, valid), rtol=1e-12, atol=1e-12)
+    (grad,) = torch.autograd.grad((fast * weights).sum(), z)
+    expected = (z.softmax(-1) - teacher.softmax(-1)) * (weights * valid).unsqueeze(-1)
+    torch.testing.assert_close(grad, expected.detach(), rtol=1e-12, atol=1e-12)
