@@ -31,6 +31,10 @@ def collate(rows: Sequence[Mapping[str, torch.Tensor]], pad_id: int) -> dict[str
         batch["input_ids"][i, :n] = torch.as_tensor(r["input_ids"])
         batch["attention_mask"][i, :n] = 1
         batch["loss_mask"][i, :n] = torch.as_tensor(r["loss_mask"])
+    if "target_argmax" in rows[0]:  # the cache's full-vocabulary argmax (data/target_argmax.py); 0 on padding
+        batch["target_argmax"] = torch.zeros(len(rows), length, dtype=torch.long)
+        for i, r in enumerate(rows):
+            batch["target_argmax"][i, : len(r["target_argmax"])] = r["target_argmax"]
     for key in ("features", "last_hidden"):
         if key in rows[0]:
             dim, dtype = rows[0][key].shape[-1], rows[0][key].dtype
@@ -51,10 +55,13 @@ def teacher_and_valid(
     d2t: torch.Tensor,
     t2d: torch.Tensor,
     slots: int,
+    target_argmax: torch.Tensor | None = None,
 ) -> tuple[TeacherLaw, torch.Tensor]:
     """The teacher's law per target position and the validity of every (position, slot).
 
     target_logits [B, T, V] in any float dtype (bf16 included: only the draft columns are upcast, exactly).
+    With `target_argmax` [B, T] (the target's argmax over its full vocabulary, from the feature cache),
+    target_logits are the draft vocabulary's columns only, [B, T, Vd]: the same law and validity.
     Returns law [B, T+slots] (a TeacherLaw over the draft vocabulary: row j is the target's softmax at
     position j restricted to the draft vocabulary; rows j >= T are zero padding, never valid) and valid
     [B, S, slots]. Slot k at context position t reads row t+1+k: `law.slot_grid(1 + offset, S, K)` gives a
@@ -66,12 +73,13 @@ def teacher_and_valid(
     """
     bsz, length, _ = target_logits.shape
     steps, device = length - 1, target_logits.device
-    law = TeacherLaw.from_logits(target_logits[:, :, d2t])  # [B, T, Vd]
+    law = TeacherLaw.from_logits(target_logits if target_argmax is not None else target_logits[:, :, d2t])
     law = TeacherLaw(*(torch.cat([x, x.new_zeros(bsz, slots, *x.shape[2:])], dim=1) for x in law))
     rows = torch.arange(steps, device=device)[:, None] + 1 + torch.arange(slots, device=device)  # [S, K]
     predicted = rows + 1  # the predicted token's position t + 2 + k
     exists = predicted <= length - 1
     predicted = predicted.clamp(max=length - 1)
     real = (batch["attention_mask"].bool() & batch["loss_mask"].bool())[:, predicted]  # [B, S, K]
-    reachable = t2d[argmax_last(target_logits)][:, rows.clamp(max=length - 1)]  # [B, S, K]
+    top = target_argmax if target_argmax is not None else argmax_last(target_logits)  # [B, T]
+    reachable = t2d[top][:, rows.clamp(max=length - 1)]  # [B, S, K]
     return law, exists[None] & real & reachable

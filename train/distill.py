@@ -78,6 +78,7 @@ class DistillStrategy:
         self.loss_cfg, self.cfg, self.head = loss, cfg, head
         self.slots = module.block_size
         self.d2t, self.t2d = module.d2t, module.t2d
+        self._draft_head: TargetHead | None = None  # the head cut to the draft vocabulary (teacher_inputs)
 
     # ---------------------------------------------------------------- trainer interface
     def loss_counts(self, batch: dict[str, Any], step: int, epoch: int) -> dict[str, Tensor]:
@@ -100,10 +101,10 @@ class DistillStrategy:
         pass
 
     def forward_loss(self, batch: dict[str, Any], step: int, epoch: int) -> StepOutput:
-        features, logits = self.target_outputs(batch)
+        features, logits, top = self.teacher_inputs(batch)
         tokens, attention = shifted_tokens(batch["input_ids"]), batch["attention_mask"][:, 1:]
         outputs, offsets = self.draft(features[:, :-1], tokens, attention, step)
-        law, valid = teacher_and_valid(batch, logits, self.d2t, self.t2d, self.slots + max(offsets))
+        law, valid = teacher_and_valid(batch, logits, self.d2t, self.t2d, self.slots + max(offsets), top)
         sums, counts, metrics = {}, {}, {}
         for b, (out, off) in enumerate(zip(outputs, offsets)):
             res = specblock_loss(
@@ -126,6 +127,23 @@ class DistillStrategy:
         return StepOutput(sums, counts, metrics)
 
     # ---------------------------------------------------------------- pieces
+    @torch.no_grad()
+    def teacher_inputs(self, batch: dict[str, Any]) -> tuple[Tensor, Tensor, Tensor | None]:
+        """features, the teacher's logits and the target's full-vocabulary argmax, as `teacher_and_valid`
+        reads them. An offline batch that carries the cache's argmax (`target_argmax`, data/target_argmax.py)
+        needs only the draft vocabulary's columns [B, T, Vd], through the head cut to them (8k of SmolLM2's
+        49k products); otherwise `target_outputs`' full logits and None."""
+        if "features" not in batch or "target_argmax" not in batch:
+            return *self.target_outputs(batch), None
+        device = batch["last_hidden"].device
+        if self._draft_head is None or self._draft_head.weight.device != device:
+            head, idx = self.head.to(device), self.d2t.to(device)
+            bias = head.bias[idx] if head.bias is not None else None
+            self._draft_head = TargetHead(head.weight[idx].contiguous(), bias, head.softcap)
+        dtype = next(self.module.parameters()).dtype
+        logits = self._draft_head(batch["last_hidden"], upcast=False)
+        return batch["features"].to(dtype), logits, batch["target_argmax"]
+
     @torch.no_grad()
     def target_outputs(self, batch: dict[str, Any]) -> tuple[Tensor, Tensor]:
         """features [B, T, F*H] and logits [B, T, V] of the frozen target, in its own dtype: the teacher reads

@@ -18,6 +18,7 @@ from specblock.data.capture import load_feature_rows
 from specblock.data.manifest import read_manifest
 from specblock.data.prepare import prepare
 from specblock.data.shards import TokenDataset
+from specblock.data.target_argmax import target_argmax
 from specblock.data.target import TargetHead, default_feature_layers, load_target
 
 from .batching import collate
@@ -32,10 +33,18 @@ from .trainer import fit
 from .validation import read_best, split_indices
 
 
-def feature_rows(features_dir: Path) -> list[dict[str, torch.Tensor]]:
-    """Every row of an offline feature cache (features, last_hidden, input_ids, loss_mask), in memory."""
+def feature_rows(features_dir: Path, head: TargetHead | None = None) -> list[dict[str, torch.Tensor]]:
+    """Every row of an offline feature cache (features, last_hidden, input_ids, loss_mask), in memory; with
+    the target's `head`, also `target_argmax`, its full-vocabulary argmax per token (data/target_argmax.py:
+    read from beside the cache, or computed once and kept there), so that a step's teacher needs the draft
+    vocabulary's columns alone."""
     manifest = read_manifest(features_dir)
-    return [row for shard in manifest.shards for row in load_feature_rows(features_dir / shard.file)]
+    rows = [row for shard in manifest.shards for row in load_feature_rows(features_dir / shard.file)]
+    if head is not None:
+        tops = target_argmax(features_dir, [r["last_hidden"] for r in rows], lambda h: head(h, upcast=False))
+        for row, top in zip(rows, tops):
+            row["target_argmax"] = top
+    return rows
 
 
 def draft_vocab(rows, vocab_size: int, size: int | None) -> torch.Tensor | None:
@@ -92,7 +101,16 @@ def build(cfg: TrainConfig) -> Built:
         data = prepare(cfg.data)
     target, tokenizer = load_target(cfg.data.target)
     layers = cfg.data.target.feature_layers or default_feature_layers(target.config.num_hidden_layers)
-    rows = feature_rows(data.features_dir) if cfg.features == "offline" else TokenDataset(data.tokens_dir)
+    head = (
+        TargetHead.of(target, copy=True) if cfg.features == "offline" else None
+    )  # the offline teacher's head
+    if head is not None:
+        with FileLock(
+            str(out / ".prepare.lock")
+        ):  # the first rank computes the argmax file, the others read it
+            rows = feature_rows(data.features_dir, head)
+    else:
+        rows = TokenDataset(data.tokens_dir)
     val = cfg.validation
     train_idx, val_idx = split_indices(len(rows), val.fraction, val.max_rows, val.seed)
     rows, held_out = Subset(rows, train_idx), (Subset(rows, val_idx) if val_idx else None)
@@ -114,7 +132,6 @@ def build(cfg: TrainConfig) -> Built:
     if cfg.init_layers == "target":
         picked = start_from_target_layers(module, target.get_decoder().layers)
         log0(f"drafter decoder layers initialised from the target's layers {picked}")
-    head = TargetHead.of(target, copy=True) if cfg.features == "offline" else None
     teacher = target if cfg.features == "online" else None
     strategy = train_spec(cfg.drafter.name).strategy(module, teacher, layers, cfg.loss, cfg.strategy, head)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

@@ -78,3 +78,23 @@ def test_target_head_keeps_its_dtype_only_when_asked_and_uncapped():
     assert torch.equal(plain(x, upcast=False).float(), plain(x))
     capped = TargetHead(w, softcap=5.0)  # the cap is applied in float32 either way
     assert capped(x, upcast=False).dtype == torch.float32 and torch.equal(capped(x, upcast=False), capped(x))
+
+
+def test_the_caches_argmax_with_the_draft_columns_gives_the_same_teacher():
+    """An offline batch with the cache's full-vocabulary argmax hands over the draft columns alone: the same
+    law and validity as the full logits."""
+    g = torch.Generator().manual_seed(3)
+    B, T, V, K = 2, 8, 40, 2
+    logits = torch.randn(B, T, V, generator=g, dtype=torch.float64)
+    batch = {
+        "attention_mask": torch.ones(B, T, dtype=torch.long),
+        "loss_mask": torch.ones(B, T, dtype=torch.long),
+    }
+    d2t = torch.arange(0, V, 3)
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[d2t] = True
+    full = teacher_and_valid(batch, logits, d2t, t2d, K)
+    cut = teacher_and_valid(batch, logits[:, :, d2t], d2t, t2d, K, target_argmax=logits.argmax(-1))
+    assert torch.equal(full[1], cut[1]) and full[1].any() and not full[1].all()
+    for a, b in zip(full[0], cut[0]):
+        assert torch.equal(a, b)

@@ -152,6 +152,15 @@ def test_baseline_and_offline_features_run_the_same_loop(make_cfg, name, feature
     for suffix in ("vllm", "speculators"):
         folder = Path(cfg.output_dir) / f"drafter-{suffix}"
         assert (folder / "model.safetensors").exists() == (name == "eagle3")
+    if features == "offline":  # the target's argmax was kept beside the cache, and every row carries it
+        from specblock.data.target_argmax import ARGMAX_FILE
+
+        features_dir = Path(cfg.data.out_dir) / "features"
+        assert (features_dir / ARGMAX_FILE).is_file()
+        built = run_mod.build(cfg)
+        row = built.rows[0]
+        full = built.strategy.head(row["last_hidden"], upcast=False)
+        assert torch.equal(row["target_argmax"], full.max(-1).indices)
 
 
 def test_a_run_initialised_from_an_exported_drafter_starts_from_its_weights(make_cfg):

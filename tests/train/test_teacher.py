@@ -52,3 +52,23 @@ def test_softcapped_target_gives_the_same_teacher_online_and_offline():
         offline.forward_loss({**batch, "features": cached.features, "last_hidden": cached.last_hidden}, 0, 0),
     )
     torch.testing.assert_close(offline.loss(out_off.sums, out_off.counts), online.loss(out.sums, out.counts))
+
+
+def test_an_offline_batch_with_the_caches_argmax_trains_on_the_same_loss():
+    """With `target_argmax` (data/target_argmax.py) the strategy computes the draft vocabulary's columns
+    alone: the same loss as through the full head."""
+    target = tiny_softcapped(VOCAB)
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+    cached = FeatureTarget(target, LAYERS)(ids, batch["attention_mask"], with_logits=False)
+    _, offline = strategies(target)
+    plain = {**batch, "features": cached.features, "last_hidden": cached.last_hidden}
+    top = offline.head(cached.last_hidden).argmax(-1)
+    features, logits, got = offline.teacher_inputs({**plain, "target_argmax": top})
+    assert logits.shape[-1] == len(offline.d2t) and torch.equal(got, top)
+    torch.testing.assert_close(
+        logits, offline.head(cached.last_hidden)[..., offline.d2t], rtol=1e-6, atol=1e-6
+    )
+    a, b = offline.forward_loss(plain, 0, 0), offline.forward_loss({**plain, "target_argmax": top}, 0, 0)
+    torch.testing.assert_close(offline.loss(b.sums, b.counts), offline.loss(a.sums, a.counts))
+    assert all(torch.equal(a.counts[k], b.counts[k]) for k in a.counts)  # the same valid entries
