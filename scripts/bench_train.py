@@ -5,7 +5,8 @@ forward+backward+optimizer time against the target's forward on the same batch (
     python scripts/bench_train.py --device cuda --dtype bfloat16 --batch 8 --length 1024
 
 Online features: the target forward runs inside the step. Offline: the features come from a cache, so
-a step is the drafter's work plus the frozen-head logits. Each configuration runs in its own process so
+a step is the drafter's work plus the frozen head's logits over the draft vocabulary (the target's
+full-vocabulary argmax comes from beside the cache, as in a training run: data/target_argmax.py). Each configuration runs in its own process so
 that its peak memory is its own.
 """
 
@@ -84,6 +85,8 @@ def measure(args) -> dict:
             **batch,
             "features": concat_features(out.hidden_states, layers),
             "last_hidden": out.hidden_states[-1],
+            # what a training run reads beside its feature cache (data/target_argmax.py)
+            "target_argmax": head(out.hidden_states[-1], upcast=False).max(-1).indices,
         }
 
     def step(b):
