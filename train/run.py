@@ -18,7 +18,7 @@ from specblock.data.capture import load_feature_rows
 from specblock.data.manifest import read_manifest
 from specblock.data.prepare import prepare
 from specblock.data.shards import TokenDataset
-from specblock.data.target_argmax import target_argmax
+from specblock.data.target_argmax import head_key, target_argmax
 from specblock.data.target import TargetHead, default_feature_layers, load_target
 
 from .batching import collate
@@ -41,7 +41,8 @@ def feature_rows(features_dir: Path, head: TargetHead | None = None) -> list[dic
     manifest = read_manifest(features_dir)
     rows = [row for shard in manifest.shards for row in load_feature_rows(features_dir / shard.file)]
     if head is not None:
-        tops = target_argmax(features_dir, [r["last_hidden"] for r in rows], lambda h: head(h, upcast=False))
+        hidden = [r["last_hidden"] for r in rows]
+        tops = target_argmax(features_dir, hidden, lambda h: head(h, upcast=False), head_key(head.weight))
         for row, top in zip(rows, tops):
             row["target_argmax"] = top
     return rows
