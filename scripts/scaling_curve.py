@@ -172,23 +172,32 @@ def table(points: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _tab20(i: int) -> tuple[float, ...]:
+    from matplotlib import colormaps
+
+    return colormaps["tab20"](i % 20)
+
+
 def plot(points: list[dict], path: Path) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(10, 4))
+    runs = list(dict.fromkeys(p["run"] for p in points))
+    fig = Figure(figsize=(12, 4.2))
     FigureCanvasAgg(fig)
     for ax, x, label in zip(
         fig.subplots(1, 2), ("tokens", "minutes"), ("training tokens", "training minutes")
     ):
-        for run in dict.fromkeys(p["run"] for p in points):
+        for i, run in enumerate(runs):  # one colour per run: overall solid, GSM8K dashed
             mine = sorted((p for p in points if p["run"] == run), key=lambda p: p[x])
+            colour = f"C{i}" if len(runs) <= 10 else _tab20(i)
             for key, style in (("tree_overall", "-o"), ("tree_gsm8k", "--s")):
-                ax.plot([p[x] for p in mine], [p[key] for p in mine], style, label=f"{run} {key[5:]}")
+                xs, ys = [p[x] for p in mine], [p[key] for p in mine]
+                ax.plot(xs, ys, style, color=colour, label=f"{run} {key[5:]}")
         ax.set_xlabel(label)
         ax.set_ylabel("tokens per target call (T = 0, tree)")
         ax.grid(alpha=0.3)
-    fig.axes[0].legend(fontsize=7)
+    fig.axes[1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

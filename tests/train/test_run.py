@@ -294,6 +294,37 @@ def test_every_experiment_composes_and_validates(experiment):
         )
 
 
+def compose_train(*overrides: str) -> dict:
+    register_configs()
+    with initialize_config_module("specblock.configs", version_base=None):
+        return OmegaConf.to_container(compose("train", overrides=list(overrides)), resolve=True)
+
+
+def test_experiment_drafter_files_name_an_experiment_and_a_drafter():
+    """experiment_drafter/<experiment>_<drafter>.yaml is optional in train.yaml's defaults, so a misspelt
+    name would be skipped without a word: each one must pair an existing experiment with a drafter."""
+    pairs = {f"{e}_{d}" for e in EXPERIMENTS for d in options("drafter")}
+    found = options("experiment_drafter")
+    assert found and set(found) <= pairs
+
+
+def test_quick_specialises_specblock_and_leaves_eagle3():
+    """The quick recipe gives SpecBlock one decoder layer and 185 steps (experiment_drafter/
+    quick_specblock.yaml), EAGLE-3 keeps quick.yaml's 150; other experiments and command-line overrides
+    are untouched."""
+    sb, e3 = (compose_train("experiment=quick", f"drafter={d}") for d in ("specblock", "eagle3"))
+    assert (sb["drafter"]["num_layers"], sb["trainer"]["max_steps"], sb["loss"]["curriculum"]["end"]) == (
+        1,
+        185,
+        92,
+    )
+    assert e3["trainer"]["max_steps"] == 150 and e3["loss"]["curriculum"]["end"] == 75
+    assert sb["trainer"]["micro_batch_size"] == e3["trainer"]["micro_batch_size"] == 4  # quick.yaml's, kept
+    assert compose_train("experiment=quick", "trainer.max_steps=60")["trainer"]["max_steps"] == 60
+    full = compose_train("experiment=cpu_full")
+    assert full["drafter"]["num_layers"] == 2 and full["trainer"]["max_steps"] == 600
+
+
 def test_cpu_full_6k_is_cpu_full_on_more_data():
     """The 6k experiment changes the data (and the run's name) and nothing that training does."""
     register_configs()
