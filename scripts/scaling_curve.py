@@ -172,25 +172,21 @@ def table(points: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _tab20(i: int) -> tuple[float, ...]:
-    from matplotlib import colormaps
-
-    return colormaps["tab20"](i % 20)
-
-
 def plot(points: list[dict], path: Path) -> None:
+    from matplotlib import colormaps
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     runs = list(dict.fromkeys(p["run"] for p in points))
+    palette = colormaps["tab10" if len(runs) <= 10 else "tab20"]
+    colours = [palette(i % palette.N) for i in range(len(runs))]  # one per run: overall solid, GSM8K dashed
     fig = Figure(figsize=(12, 4.2))
     FigureCanvasAgg(fig)
     for ax, x, label in zip(
         fig.subplots(1, 2), ("tokens", "minutes"), ("training tokens", "training minutes")
     ):
-        for i, run in enumerate(runs):  # one colour per run: overall solid, GSM8K dashed
+        for run, colour in zip(runs, colours):
             mine = sorted((p for p in points if p["run"] == run), key=lambda p: p[x])
-            colour = f"C{i}" if len(runs) <= 10 else _tab20(i)
             for key, style in (("tree_overall", "-o"), ("tree_gsm8k", "--s")):
                 xs, ys = [p[x] for p in mine], [p[key] for p in mine]
                 ax.plot(xs, ys, style, color=colour, label=f"{run} {key[5:]}")

@@ -295,6 +295,7 @@ def test_every_experiment_composes_and_validates(experiment):
 
 
 def compose_train(*overrides: str) -> dict:
+    """configs/train.yaml composed with `overrides`, resolved into plain containers."""
     register_configs()
     with initialize_config_module("specblock.configs", version_base=None):
         return OmegaConf.to_container(compose("train", overrides=list(overrides)), resolve=True)
@@ -327,12 +328,7 @@ def test_quick_specialises_specblock_and_leaves_eagle3():
 
 def test_cpu_full_6k_is_cpu_full_on_more_data():
     """The 6k experiment changes the data (and the run's name) and nothing that training does."""
-    register_configs()
-    with initialize_config_module("specblock.configs", version_base=None):
-        base, more = (
-            OmegaConf.to_container(compose("train", overrides=[f"experiment={e}"]), resolve=True)
-            for e in ("cpu_full", "cpu_full_6k")
-        )
+    base, more = (compose_train(f"experiment={e}") for e in ("cpu_full", "cpu_full_6k"))
     assert more["data"]["corpus"]["limit"] > base["data"]["corpus"]["limit"]
     assert more["data"]["out_dir"] != base["data"]["out_dir"] and more["run_name"] == "cpu_full_6k-specblock"
     assert more["data"]["regenerate"] == base["data"]["regenerate"]
