@@ -310,17 +310,23 @@ def test_experiment_drafter_files_name_an_experiment_and_a_drafter():
 
 
 def test_quick_specialises_specblock_and_leaves_eagle3():
-    """The quick recipe gives SpecBlock one decoder layer and 185 steps (experiment_drafter/
-    quick_specblock.yaml), EAGLE-3 keeps quick.yaml's 150; other experiments and command-line overrides
-    are untouched."""
+    """The quick recipe gives SpecBlock one decoder layer and 340 steps (experiment_drafter/
+    quick_specblock.yaml), EAGLE-3 keeps quick.yaml's 150; both read one capped feature cache (the same data
+    config: the first run captures, the second finds it); other experiments and command-line overrides are
+    untouched."""
     sb, e3 = (compose_train("experiment=quick", f"drafter={d}") for d in ("specblock", "eagle3"))
     assert (sb["drafter"]["num_layers"], sb["trainer"]["max_steps"], sb["loss"]["curriculum"]["end"]) == (
         1,
-        185,
-        92,
+        340,
+        170,
     )
     assert e3["trainer"]["max_steps"] == 150 and e3["loss"]["curriculum"]["end"] == 75
     assert sb["trainer"]["micro_batch_size"] == e3["trainer"]["micro_batch_size"] == 4  # quick.yaml's, kept
+    assert sb["features"] == e3["features"] == "offline" and sb["data"] == e3["data"]
+    assert sb["data"]["features"]["enabled"] and sb["data"]["features"]["max_rows"] == 840
+    # SpecBlock's steps pass over the captured training rows less than twice
+    train_rows = 840 - round(sb["validation"]["fraction"] * 840)
+    assert 1 < sb["trainer"]["max_steps"] * sb["trainer"]["micro_batch_size"] / train_rows < 2
     assert compose_train("experiment=quick", "trainer.max_steps=60")["trainer"]["max_steps"] == 60
     full = compose_train("experiment=cpu_full")
     assert full["drafter"]["num_layers"] == 2 and full["trainer"]["max_steps"] == 600
