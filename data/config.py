@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
 
@@ -14,9 +15,21 @@ from .target import TargetConfig
 
 @dataclass
 class FeaturesConfig(CaptureConfig):
-    """Offline target features: off by default (training computes them online, in the step)."""
+    """Offline target features: off by default (training computes them online, in the step).
+
+    subdir: the cache's folder under the data stage's out_dir. Recipes that share a data folder but capture
+    differently (the quick recipe's first 840 rows, cpu_full's every row) each need their own: a finished
+    cache whose manifest differs from the config is refused, not overwritten."""
 
     enabled: bool = False
+    subdir: str = "features"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not self.subdir or Path(self.subdir).name != self.subdir or self.subdir in (".", "..", "tokens"):
+            raise ValueError(
+                f"features.subdir must be one folder name other than 'tokens', got {self.subdir!r}"
+            )
 
 
 @dataclass

@@ -124,7 +124,7 @@ def prepare(cfg: PrepareConfig, world: World = World()) -> PrepareResult:
         result.features_dir = capture_features(
             target,
             rows,
-            out / "features",
+            out / cfg.features.subdir,
             cfg.features,
             tokenizer=tokenizer,
             source=str(tokens_dir),

@@ -65,6 +65,26 @@ def test_prepare_end_to_end_then_skip_then_refuse(setup, monkeypatch, caplog):
         prep.prepare(setup(max_length=48, features=FeaturesConfig()))
 
 
+def test_two_captures_of_one_data_folder_live_side_by_side(setup):
+    """Recipes sharing a data folder but capturing differently (quick: the first rows; cpu_full: all) each
+    keep their cache in `features.subdir`; the default folder's differing cache would be refused."""
+    full = prep.prepare(setup())
+    capped = setup(
+        features=FeaturesConfig(
+            enabled=True, subdir="features-first2", max_rows=2, max_length=64, dtype="float16"
+        )
+    )
+    with pytest.raises(ManifestMismatchError, match="num_samples"):
+        prep.prepare(replace(capped, features=replace(capped.features, subdir="features")))
+    first = prep.prepare(capped)
+    assert first.features_dir == full.features_dir.parent / "features-first2" != full.features_dir
+    assert read_manifest(first.features_dir).num_samples == 2 < read_manifest(full.features_dir).num_samples
+    assert prep.prepare(setup()).features_dir == full.features_dir  # both stay up to date
+    for bad in ("", "a/b", "..", "tokens"):
+        with pytest.raises(ValueError, match="features.subdir"):
+            FeaturesConfig(subdir=bad)
+
+
 def test_a_hub_subset_enters_the_recipe_only_when_set(setup, tiny_chat):
     """Shards written before `corpus.subset` existed record no such key; they must stay up to date."""
     _, tok = tiny_chat

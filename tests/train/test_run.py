@@ -324,11 +324,15 @@ def test_quick_specialises_specblock_and_leaves_eagle3():
     assert sb["trainer"]["micro_batch_size"] == e3["trainer"]["micro_batch_size"] == 4  # quick.yaml's, kept
     assert sb["features"] == e3["features"] == "offline" and sb["data"] == e3["data"]
     assert sb["data"]["features"]["enabled"] and sb["data"]["features"]["max_rows"] == 840
+    # cpu_full captures every row of the same data folder: a cache of its own, or one recipe's would refuse
+    # the other's
+    full = compose_train("experiment=cpu_full")
+    assert full["data"]["out_dir"] == sb["data"]["out_dir"]
+    assert full["data"]["features"]["subdir"] != sb["data"]["features"]["subdir"]
     # SpecBlock's steps pass over the captured training rows less than twice
     train_rows = 840 - round(sb["validation"]["fraction"] * 840)
     assert 1 < sb["trainer"]["max_steps"] * sb["trainer"]["micro_batch_size"] / train_rows < 2
     assert compose_train("experiment=quick", "trainer.max_steps=60")["trainer"]["max_steps"] == 60
-    full = compose_train("experiment=cpu_full")
     assert full["drafter"]["num_layers"] == 2 and full["trainer"]["max_steps"] == 600
 
 
