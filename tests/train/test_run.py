@@ -330,7 +330,10 @@ def test_quick_specialises_specblock_and_leaves_eagle3():
     assert full["data"]["out_dir"] == sb["data"]["out_dir"]
     assert full["data"]["features"]["subdir"] != sb["data"]["features"]["subdir"]
     # SpecBlock's steps pass over the captured training rows less than twice
-    train_rows = 840 - round(sb["validation"]["fraction"] * 840)
+    val = sb["validation"]
+    train_rows = len(
+        split_indices(sb["data"]["features"]["max_rows"], val["fraction"], val["max_rows"], val["seed"])[0]
+    )
     assert 1 < sb["trainer"]["max_steps"] * sb["trainer"]["micro_batch_size"] / train_rows < 2
     assert compose_train("experiment=quick", "trainer.max_steps=60")["trainer"]["max_steps"] == 60
     assert full["drafter"]["num_layers"] == 2 and full["trainer"]["max_steps"] == 600
