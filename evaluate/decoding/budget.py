@@ -15,7 +15,8 @@ SmolLM2 costs ~2.4x a one-token step, on an H200 it costs about the same as one.
   so far (accepted: nodes the verifier accepted; predicted: sum of a_i over the nodes drafted), so an
   over-confident drafter gets smaller trees; clipped to [C_MIN, C_MAX].
 - forward(n): the target forward over n tokens after the committed cache, measured once per decoder on
-  the first prompt's cache (FORWARD_GRID, median of `repeats`), interpolated linearly in between, times
+  the first prompt's cache (FORWARD_GRID, the fastest of `repeats`, made non-decreasing by isotonic
+  regression: `measure_forward_curve`), interpolated linearly in between, times
   a load factor: every verification forward's measured ms over the curve's (decayed sums, LOAD_DECAY),
   so a curve measured during a load spike (or a machine that gets busier later) is rescaled online.
 - fixed: the iteration's cost outside the target forward and the tree's drafter rounds (verification,
@@ -62,11 +63,11 @@ and the law of generations stay as they are (tests/evaluate/test_budget.py).
 from __future__ import annotations
 
 import math
-import statistics
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
 FORWARD_GRID = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
+PROBE_REPEATS = 7  # walks of the grid by `measure_forward_curve` (~3 s on this CPU for 1-33 tokens)
 C_MIN, C_MAX = 0.05, 2.0
 PRIOR = 4.0  # pseudo-counts behind c = 1 before any iteration
 # The load factor follows the machine: an iteration's weight halves after ~3 iterations; clipped so that
@@ -107,18 +108,38 @@ class ForwardCurve:
 
 
 def measure_forward_curve(
-    forward: Callable[[int], float], grid: tuple[int, ...] = FORWARD_GRID, repeats: int = 3
+    forward: Callable[[int], float], grid: tuple[int, ...] = FORWARD_GRID, repeats: int = PROBE_REPEATS
 ) -> ForwardCurve:
     """`forward(n)` runs one target forward over n tokens (restoring the cache) and returns its seconds.
-    The grid is walked `repeats` times, interleaved, and each size keeps its median."""
+    The grid is walked `repeats` times, interleaved; each size keeps its FASTEST time, and the sizes are
+    then made non-decreasing by isotonic regression (`isotonic`), not by a running maximum.
+
+    On a shared CPU a forward's time is its cost plus interference, which only ever adds: the minimum is
+    the stable estimate of the cost (session 26, this 2-core EPYC, five curves of 7 walks each: a 1-token
+    forward's median ranged over 40-50 ms, its minimum over 33-37), and the loop's load factor
+    (`AutoBudget.load`) rescales the whole curve to what the verification forwards then measure. What the
+    choice needs from the probe is the SHAPE: which widths cost more than which. With a median of 3 and a
+    running maximum, one slow 2-token forward lifted every wider size to its time, so that 16 tokens
+    looked as cheap as 2, and trees of 15 nodes were chosen where 4 cost a third less per forward."""
     times: dict[int, list[float]] = {n: [] for n in grid}
     for _ in range(repeats):
         for n in grid:
             times[n].append(forward(n) * 1e3)
-    ms = [statistics.median(times[n]) for n in grid]
-    for i in range(1, len(ms)):  # a wider forward never costs less: noise must not invert the model
-        ms[i] = max(ms[i], ms[i - 1])
-    return ForwardCurve(list(grid), ms)
+    return ForwardCurve(list(grid), isotonic([min(times[n]) for n in grid]))
+
+
+def isotonic(values: list[float]) -> list[float]:
+    """The non-decreasing sequence closest to `values` in squared error (pool adjacent violators): a run
+    of sizes measured out of order becomes their mean, so that a wider forward never costs less and one
+    outlier moves its neighbours by its share of the run instead of lifting every size after it."""
+    blocks: list[list[float]] = []  # [sum, count] of each pooled run, means non-decreasing
+    for v in values:
+        blocks.append([v, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    return [total / count for total, count in blocks for _ in range(int(count))]
 
 
 class Choice(NamedTuple):

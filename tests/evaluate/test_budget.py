@@ -13,6 +13,7 @@ from specblock.evaluate.decoding.budget import (
     AutoBudget,
     ForwardCurve,
     choose_budget,
+    isotonic,
     measure_forward_curve,
 )
 from specblock.evaluate.config import EvalConfig
@@ -20,11 +21,45 @@ from specblock.evaluate.decoding.trees import DraftTree, TreeConfig
 
 
 def test_forward_curve_interpolates_and_never_decreases():
-    samples = iter([10.0, 30.0, 20.0] * 3)  # size 4 measured faster than size 2: noise, flattened
+    samples = iter([10.0, 30.0, 20.0] * 3)  # size 4 measured faster than size 2: noise, pooled
     curve = measure_forward_curve(lambda n: next(samples) / 1e3, grid=(1, 2, 4), repeats=3)
-    assert curve.ms == [10.0, 30.0, 30.0]
+    assert curve.ms == [10.0, 25.0, 25.0]
     line = ForwardCurve([1, 9], [10.0, 50.0])
     assert line(1) == 10.0 and line(5) == 30.0 and line(13) == 70.0  # linear inside and beyond
+
+
+def test_forward_curve_keeps_each_sizes_fastest_time_so_one_slow_forward_does_not_lift_the_wider_sizes():
+    """Interference only adds time: each size keeps its fastest of the walks. A median and a running maximum
+    let one slow 2-token walk make 2, 4 and 8 tokens all cost 50 ms (session 26: trees of 15 nodes chosen
+    where 4 cost a third less)."""
+    walks = [  # ms per walk of the grid (1, 2, 4, 8): the true costs 33 / 33 / 34 / 45 plus spikes
+        [33.0, 50.0, 50.0, 45.0],
+        [48.0, 50.0, 34.0, 52.0],
+        [33.0, 33.0, 49.0, 45.0],
+    ]
+    samples = iter(v / 1e3 for walk in walks for v in walk)
+    curve = measure_forward_curve(lambda n: next(samples), grid=(1, 2, 4, 8), repeats=3)
+    assert curve.ms == [33.0, 33.0, 34.0, 45.0]
+    # the old statistic (median, then running maximum) on the same walks: the spike lifted every width
+    medians = [sorted(w[i] for w in walks)[1] for i in range(4)]
+    assert medians == [33.0, 50.0, 49.0, 45.0]
+
+
+@pytest.mark.parametrize(
+    "values, expected",
+    [
+        ([1.0, 2.0, 3.0], [1.0, 2.0, 3.0]),  # already non-decreasing: unchanged
+        ([3.0, 1.0], [2.0, 2.0]),  # one violation: pooled
+        ([1.0, 5.0, 2.0, 3.0, 6.0], [1.0, 10 / 3, 10 / 3, 10 / 3, 6.0]),  # pooled back until order holds
+        ([4.0, 3.0, 2.0, 1.0], [2.5] * 4),
+        ([], []),
+    ],
+)
+def test_isotonic_is_the_closest_non_decreasing_sequence(values, expected):
+    got = isotonic(values)
+    assert got == pytest.approx(expected)
+    assert all(a <= b for a, b in zip(got, got[1:]))
+    assert sum(got) == pytest.approx(sum(values))  # pooling keeps the total (means of runs)
 
 
 def test_choose_budget_stops_where_a_wider_forward_stops_paying():
