@@ -120,7 +120,7 @@ def measure_forward_curve(
     (`AutoBudget.load`) rescales the whole curve to what the verification forwards then measure. What the
     choice needs from the probe is the SHAPE: which widths cost more than which. With a median of 3 and a
     running maximum, one slow 2-token forward lifted every wider size to its time, so that 16 tokens
-    looked as cheap as 2, and trees of 15 nodes were chosen where 4 cost a third less per forward."""
+    looked as cheap as 2, and trees of 15 nodes were chosen whose forwards took 58 ms against 46 for 4."""
     times: dict[int, list[float]] = {n: [] for n in grid}
     for _ in range(repeats):
         for n in grid:
