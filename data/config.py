@@ -12,6 +12,9 @@ from .corpora import CorpusConfig
 from .regenerate import RegenerateConfig
 from .target import TargetConfig
 
+# the token shards' folder under the data stage's out_dir (FeaturesConfig.subdir names the feature cache's)
+TOKENS_SUBDIR = "tokens"
+
 
 @dataclass
 class FeaturesConfig(CaptureConfig):
@@ -26,9 +29,13 @@ class FeaturesConfig(CaptureConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if not self.subdir or Path(self.subdir).name != self.subdir or self.subdir in (".", "..", "tokens"):
+        if (
+            not self.subdir
+            or Path(self.subdir).name != self.subdir
+            or self.subdir in (".", "..", TOKENS_SUBDIR)
+        ):
             raise ValueError(
-                f"features.subdir must be one folder name other than 'tokens', got {self.subdir!r}"
+                f"features.subdir must be one folder name other than {TOKENS_SUBDIR!r}, got {self.subdir!r}"
             )
 
 

@@ -19,7 +19,7 @@ import jinja2
 from tqdm.auto import tqdm
 
 from .capture import capture_features
-from .config import PrepareConfig
+from .config import TOKENS_SUBDIR, PrepareConfig
 from .corpora import load_conversations
 from .errors import BadInputError, RowPolicy
 from .manifest import Manifest, ManifestMismatchError, chat_template_hash, check, code_git_sha
@@ -106,7 +106,7 @@ def prepare(cfg: PrepareConfig, world: World = World()) -> PrepareResult:
     target_cfg = replace(cfg.target, device=world.device(cfg.target.device))
     tokenizer = load_tokenizer(target_cfg)
     model = functools.cache(lambda: load_target(target_cfg)[0])
-    tokens_dir, expected = out / "tokens", expected_manifest(cfg, tokenizer)
+    tokens_dir, expected = out / TOKENS_SUBDIR, expected_manifest(cfg, tokenizer)
     if up_to_date(tokens_dir, expected, cfg.overwrite):
         manifest = read_manifest(tokens_dir)
         if world.is_main:
@@ -167,6 +167,6 @@ def make_token_shards(
             f"corpus: {drawn} conversations drawn (limit {cfg.corpus.limit}), {len(rows)} rows kept; "
             f"bad rows in the source and after filtering: {policy.summary()}"
         )
-        write_token_shards(rows, out / "tokens", expected, cfg.shard_rows)
+        write_token_shards(rows, out / TOKENS_SUBDIR, expected, cfg.shard_rows)
     world.barrier()  # the token shards exist for every rank
-    return read_manifest(out / "tokens")
+    return read_manifest(out / TOKENS_SUBDIR)
