@@ -71,10 +71,11 @@ def teacher_and_valid(
     a slot whose target token the drafter cannot even emit cannot be accepted at temperature 0, and
     training it against the renormalised rest would teach a wrong argmax (EAGLE-3 masks it the same way).
     """
-    bsz, length, _ = target_logits.shape
+    _, length, _ = target_logits.shape
     steps, device = length - 1, target_logits.device
-    law = TeacherLaw.from_logits(target_logits if target_argmax is not None else target_logits[:, :, d2t])
-    law = TeacherLaw(*(torch.cat([x, x.new_zeros(bsz, slots, *x.shape[2:])], dim=1) for x in law))
+    law = TeacherLaw.from_logits(
+        target_logits if target_argmax is not None else target_logits[:, :, d2t], pad=slots
+    )
     rows = torch.arange(steps, device=device)[:, None] + 1 + torch.arange(slots, device=device)  # [S, K]
     predicted = rows + 1  # the predicted token's position t + 2 + k
     exists = predicted <= length - 1

@@ -169,3 +169,51 @@ def test_kl_in_chunks_is_the_kl(shape, chunk, monkeypatch):
     (grad,) = torch.autograd.grad((fast * weights).sum(), z)
     expected = (z.softmax(-1) - teacher.softmax(-1)) * (weights * valid).unsqueeze(-1)
     torch.testing.assert_close(grad, expected.detach(), rtol=1e-12, atol=1e-12)
+
+
+def reference_law(logits):
+    """TeacherLaw.from_logits as first written: the whole tensor at once."""
+    z = logits.detach().float() if logits.element_size() < 4 else logits.detach()
+    p = F.softmax(z, dim=-1).nan_to_num(0.0)
+    return p, torch.xlogy(p, p).sum(-1), z.max(-1).indices
+
+
+@pytest.mark.parametrize("shape", [(7,), (5, 7), (2, 5, 7), (2, 5, 3, 7)])
+@pytest.mark.parametrize("chunk", [1, 20, 10**9])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_teacher_law_in_chunks_is_the_law(shape, chunk, dtype, monkeypatch):
+    """The law built chunk by chunk (and its padding rows) equals the whole-tensor computation, -inf rows
+    (padding) included; bf16 logits are upcast to float32 as before."""
+    from specblock.train import teacher_law
+
+    monkeypatch.setattr(teacher_law, "KL_CHUNK_ELEMENTS", chunk)
+    torch.manual_seed(3)
+    logits = torch.randn(*shape, dtype=torch.float64).to(dtype)
+    logits[(0,) * (len(shape) - 1)] = float("-inf")  # a padding row: p = 0 there
+    logits[..., 2] = logits[..., 4]  # ties: the first maximal index, as before
+    pad = 0 if len(shape) == 1 else 2
+    law = TeacherLaw.from_logits(logits, pad=pad)
+    ref = reference_law(logits)
+    dim = 0 if len(shape) <= 2 else 1
+    n = shape[dim] if len(shape) > 1 else None
+    for got, want in zip(law, ref):
+        assert got.dtype == want.dtype
+        if n is not None:
+            assert got.shape[dim] == n + pad
+            assert not got.narrow(dim, n, pad).any()  # zero rows: p = 0, neg_entropy 0, argmax 0
+            got = got.narrow(dim, 0, n)
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("chunk", [1, 20, 10**9])
+def test_rank_of_token_in_chunks_counts_higher_logits(chunk, monkeypatch):
+    from specblock.train import teacher_law
+    from specblock.train.rank_labels import rank_of_token
+
+    monkeypatch.setattr(teacher_law, "KL_CHUNK_ELEMENTS", chunk)
+    torch.manual_seed(4)
+    logits = torch.randint(0, 5, (2, 6, 3, 9)).bfloat16()  # many ties
+    token = torch.randint(0, 9, (2, 6, 3))
+    expected = 1 + (logits > logits.gather(-1, token[..., None])).sum(-1)
+    assert torch.equal(rank_of_token(logits, token), expected)
+    assert torch.equal(rank_of_token(logits[0, 0, 0], token[0, 0, 0]), expected[0, 0, 0])
