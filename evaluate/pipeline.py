@@ -9,7 +9,7 @@
    dynamic trees, standard speculative decoding and prompt lookup (no drafter) against autoregressive
    decoding (tokens per target call, drafting cost, speedup), in the precision that decodes fastest here,
    with draft sizes chosen from measured costs (`stage_overrides`); at temperature > 0 every verifier on
-   the SpecBlock drafter's drafts, and prompt lookup, in float32;
+   the SpecBlock drafter's drafts, and prompt lookup, in the precision the first stage decoded in;
 3. the results tables, printed and written to checkpoints/run/.
 
 A stage whose outputs exist and match is skipped: the data stage checks its manifest, a training run
@@ -132,7 +132,8 @@ def stage_overrides(args: argparse.Namespace, exports: dict[str, Path]) -> tuple
     with the machine choosing each tree's size and each chain's length from measured costs (budget=auto,
     draft_length=auto; evaluate/decoding/budget.py); autoregressive decoding runs in the same precision. In bf16 a few generations may differ from bf16 autoregressive
     decoding (near-ties between forwards of different shapes); the report counts them.
-    sampled (T > 0): every verifier on the SpecBlock drafter's drafts, in float32 (fixed K and L).
+    sampled (T > 0): every verifier on the SpecBlock drafter's drafts (fixed K and L), in the precision
+    the greedy stage decoded in (`sampled_dtype`, added by `main` once that stage has run).
     """
     common = [
         f"limit={args.limit}",
@@ -153,6 +154,16 @@ def stage_overrides(args: argparse.Namespace, exports: dict[str, Path]) -> tuple
     return greedy, sampled
 
 
+def sampled_dtype(greedy: list[dict]) -> str | None:
+    """The precision the greedy stage decoded in (its records' `dtype`: `auto` resolved by its probe), for
+    the sampled stage, so that both speed tables are in the deployment precision and the sampled stage does
+    not probe again; None when the stage wrote no records."""
+    dtypes = {r["dtype"] for r in greedy if "dtype" in r}
+    if len(dtypes) > 1:
+        raise ValueError(f"the greedy stage's records name several precisions: {sorted(dtypes)}")
+    return dtypes.pop() if dtypes else None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specblock run", description=__doc__.split("\n\n")[0])
     p.add_argument("--limit", type=int, default=2, help="prompts per dataset (default 2)")
@@ -161,7 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--dtype",
         default="auto",
-        help="target and drafters at T = 0 (auto: the faster of bf16 and float32 here, measured)",
+        help="target and drafters (auto: the faster of bf16 and float32 here, measured at T = 0; the T > 0 "
+        "stage decodes in the precision chosen there)",
     )
     p.add_argument(
         "--fixed-size", dest="auto", action="store_false",
@@ -183,6 +195,9 @@ def main(argv: list[str] | None = None) -> None:
     exports = {d: train_stage(d, args.train) for d in DRAFTERS}
     greedy_overrides, sampled_overrides = stage_overrides(args, exports)
     greedy = eval_stage("greedy", greedy_overrides)
+    dtype = sampled_dtype(greedy)
+    if dtype is not None:  # T > 0 in the precision T = 0 decoded in (probed there when auto)
+        sampled_overrides.append(f"target.dtype={dtype}")
     sampled = eval_stage("sampled", sampled_overrides)  # the verifier comparison, SpecBlock's drafts only
     log.info(f"\n[run] done in {(time.perf_counter() - start) / 60:.1f} min; tables in {OUT}/greedy/results.md and "
           f"{OUT}/sampled/results.md ({len(greedy)} + {len(sampled)} records)")  # fmt: skip

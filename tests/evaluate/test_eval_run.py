@@ -17,7 +17,14 @@ from specblock.data.target import TINY_TARGET_DIR, TargetConfig, auto_dtype, loa
 from specblock.data.embedded import ensure_embedded_target
 from specblock.evaluate.config import METHODS, EvalConfig, parse_method, register_configs
 from specblock.evaluate.decoding.lookup import LookupConfig
-from specblock.evaluate.pipeline import DRAFTERS, build_parser, compose_eval, config_diff, stage_overrides
+from specblock.evaluate.pipeline import (
+    DRAFTERS,
+    build_parser,
+    compose_eval,
+    config_diff,
+    sampled_dtype,
+    stage_overrides,
+)
 from specblock.evaluate.reporting.report import read_jsonl
 from specblock.evaluate.run import evaluate
 from specblock.train.export import EXPORT_FORMAT, export_drafter
@@ -125,7 +132,7 @@ def test_every_drafter_is_registered_with_both_stages():
 def test_main_job_stages_compose(argv):
     """`specblock run`'s two evaluation stages compose into valid configs: by default the speed table
     (T = 0) runs in the deployment precision (auto) with draft sizes chosen from measured costs; the
-    verifier comparison (T > 0) in float32 with fixed K and L."""
+    verifier comparison (T > 0) with fixed K and L, in the precision the greedy stage decoded in."""
     exports = {d: f"checkpoints/quick-{d}/drafter" for d in DRAFTERS}
     overrides = stage_overrides(build_parser().parse_args(argv), exports)
     greedy, sampled = (
@@ -137,7 +144,13 @@ def test_main_job_stages_compose(argv):
     assert (greedy.draft_length == "auto") == auto
     assert all((greedy.trees[d].budget == "auto") == auto for d in DRAFTERS)
     assert sampled.temperature > 0 and set(sampled.drafters) == {"specblock"} and sampled.draft_length == 4
-    assert sampled.target.dtype == "float32" and "iid-spectr_gbv" in sampled.methods
+    assert "iid-spectr_gbv" in sampled.methods and sampled.draft_length == 4
+    records = [{"dtype": "bfloat16", "method": m} for m in ("autoregressive", "tree")]
+    assert sampled_dtype(records) == "bfloat16" and sampled_dtype([]) is None
+    with pytest.raises(ValueError, match="several precisions"):
+        sampled_dtype([*records, {"dtype": "float32"}])
+    bf16 = OmegaConf.to_object(compose_eval("sampled", [*overrides[1], "target.dtype=bfloat16"]))
+    assert bf16.target.dtype == "bfloat16" and bf16.baselines == ["float32"]  # plain float32 beside it
 
 
 def test_config_diff_names_keys_and_ignores_logging():
