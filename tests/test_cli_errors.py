@@ -104,3 +104,22 @@ def test_specblock_run_reports_a_mistake_and_a_failed_stage(monkeypatch, capsys,
     monkeypatch.setattr(pipeline.subprocess, "run", lambda cmd: subprocess.CompletedProcess(cmd, 3))
     with pytest.raises(SystemExit, match="training specblock failed \\(exit status 3\\)"):
         cli.main(["run"])
+
+
+def test_specblock_run_decodes_t07_in_the_precision_t0_chose(monkeypatch):
+    """The sampled stage gets the precision the greedy stage's records name (auto resolved there)."""
+    from specblock.evaluate import pipeline
+
+    calls = {}
+
+    def stage(name, overrides):
+        calls[name] = list(overrides)
+        return [{"dtype": "bfloat16", "method": "autoregressive"}] if name == "greedy" else []
+
+    monkeypatch.setattr(
+        pipeline, "train_stage", lambda drafter, extra: f"checkpoints/quick-{drafter}/drafter"
+    )
+    monkeypatch.setattr(pipeline, "eval_stage", stage)
+    pipeline.main([])
+    assert "target.dtype=auto" in calls["greedy"]
+    assert calls["sampled"][-1] == "target.dtype=bfloat16" and "temperature=0.7" in calls["sampled"]
