@@ -81,7 +81,9 @@ def as_law(teacher: Tensor | TeacherLaw) -> TeacherLaw:
 
 # Rows of the KL per chunk: ~2 MB of float32 logits, so the upcast, log-sum-exp, dot product and the gradient's
 # in-place steps run over a chunk in cache instead of over the whole [B, S, K, V] tensor in memory (session 23,
-# [4, 378, 4, 8192] bf16 logits, 2 threads: forward 273 -> 82-92 ms, backward 169 -> ~100 ms, same bits).
+# [4, 378, 4, 8192] bf16 logits, 2 threads: forward 273 -> 82-92 ms, backward 169 -> ~100 ms, same bits). The
+# teacher's law (`TeacherLaw.from_logits`) and the Rank Head's labels (`rank_labels.rank_of_token`) use the
+# same chunks (session 27).
 KL_CHUNK_ELEMENTS = 1 << 19
 
 
