@@ -9,8 +9,8 @@ On a CPU the session's target attends with `grouped_sdpa` (registered with trans
 as GROUPED_SDPA) where it ran sdpa: a forward over a few tree nodes under the 4-D mask stacks each key
 head's query heads as rows of that head instead of copying the cache once per query head (`repeat_kv`,
 what transformers' sdpa does for more than one query with a mask; one query it already packs so). Measured
-in bf16 on SmolLM2-135M after a 300-token cache (README "Prompt lookup, precision, and where the time
-goes", session 20), and the same logits (tests/evaluate/test_target_session.py).
+in bf16 on SmolLM2-135M after a 300-token cache (docs/measured/decoding.md, session 20), and the same
+logits (tests/evaluate/test_target_session.py).
 """
 
 from __future__ import annotations
