@@ -143,7 +143,8 @@ def bf16_matmul_pays() -> bool:
 # step), so `auto` measures each precision on its own and packs only where it pays: "packed-float32" or
 # "packed-bfloat16" pack one precision, "packed" both.
 WEIGHT_LAYOUTS = ("row", "column", "packed", "packed-float32", "packed-bfloat16")
-AUTO_LAYOUTS = ("row", "packed")  # what `auto` weighs; column-major is a manual choice (docs/measured/main_job.md, session 15)
+# what `auto` weighs; column-major is a manual choice (docs/measured/main_job.md, session 15)
+AUTO_LAYOUTS = ("row", "packed")
 LAYOUT_ROWS = (4, 8)  # rows of a small tree's or chain's products (1-3 rows take the plain product anyway)
 BF16_LAYOUT_ROWS = (1, 4, 8)  # bf16 packs one-token steps too (data/packed.py)
 LAYOUT_FILES = {"float32": "linear_layouts.json", "bfloat16": "linear_layouts_bfloat16.json"}
