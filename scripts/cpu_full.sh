@@ -9,6 +9,7 @@
 # Another experiment with the same stages (runs checkpoints/<experiment>-<drafter>, its evaluation and
 # curve named after it; the math fine-tunes belong to cpu_full alone):
 #   CPU_FULL_EXPERIMENT=cpu_full_6k scripts/cpu_full.sh   # three times the distinct regenerated data
+# (then its warm restart, cpu_full_6k_more: MORE_STEPS=... sets its steps)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=.venv/bin/python
@@ -50,6 +51,29 @@ else
     "drafters={specblock: checkpoints/${experiment}-specblock/drafter, eagle3: checkpoints/${experiment}-eagle3/drafter}" \
     draft_length=auto trees.specblock.budget=auto trees.eagle3.budget=auto \
     'methods=[autoregressive,lookup,chain-token,tree,tree+lookup]'
+fi
+
+# cpu_full_6k goes on: a warm restart of its SpecBlock drafter on the same data (configs/experiment/
+# cpu_full_6k_more.yaml, ~85 minutes), drawn on the curve at its cumulative compute, then its speed.
+if [ "$experiment" = cpu_full_6k ]; then
+  more=cpu_full_6k_more
+  if [ -f "checkpoints/${more}-specblock/drafter/config.json" ]; then
+    echo "${more}-specblock: exported already, skipped"
+  else
+    echo "== $(date -u +%H:%M) training ${more}-specblock (warm restart of ${experiment}-specblock)"
+    "$py" -m specblock.train experiment="$more" drafter=specblock resume=latest \
+      trainer.max_steps="${MORE_STEPS:-900}"
+  fi
+  echo "== $(date -u +%H:%M) scaling curve with ${more}"
+  "$py" scripts/scaling_curve.py "checkpoints/${experiment}-specblock" "checkpoints/${experiment}-eagle3" \
+    "checkpoints/${more}-specblock" "${earlier[@]}" --out "$curve"
+  if [ ! -f "checkpoints/eval/${more}/config.json" ]; then
+    echo "== $(date -u +%H:%M) speed of ${more}-specblock"
+    "$py" -m specblock.evaluate run_name="$more" target.dtype=auto limit=3 max_new_tokens=64 \
+      "drafters={specblock: checkpoints/${more}-specblock/drafter, eagle3: checkpoints/${experiment}-eagle3/drafter}" \
+      draft_length=auto trees.specblock.budget=auto trees.eagle3.budget=auto \
+      'methods=[autoregressive,lookup,chain-token,tree,tree+lookup]'
+  fi
 fi
 
 # The math drafters: each fine-tuned on GSM8K's train split answered again by the target (README section

@@ -17,6 +17,10 @@ reread when it exists), so a killed curve continues where it stopped. Each point
 checkpoint's meta.json there too, so a point stays on the curve after `keep_last` prunes its checkpoint.
 The method is each drafter's tree (SpecBlock: Rank-Head-sized dynamic tree; EAGLE-3: EAGLE-2's dynamic
 tree) and its chain, in float32 (exact greedy equality), on the same prompts for every checkpoint.
+
+A run that continues another (`init_from=<run>/drafter`, a warm restart) is drawn at its cumulative
+compute: the tokens and minutes of the checkpoint that drafter was exported from (the run's best, else its
+last) are added to each of its points, through any chain of such runs.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from specblock.evaluate.reporting.report import read_jsonl
 from specblock.evaluate.run import evaluate
 from specblock.train.checkpoint import list_checkpoints, read_meta
 from specblock.train.export import export_from_checkpoint
+from specblock.train.validation import read_best
 
 DATASETS = ["gsm8k", "humaneval", "mgsm", "lm1b", "alpaca"]
 
@@ -47,6 +52,45 @@ def run_config(run: Path):
     cfg = OmegaConf.load(run / "config.yaml")
     target = TargetConfig(**{**OmegaConf.to_container(cfg.data.target), "dtype": "float32"})
     return str(cfg.drafter.name), target
+
+
+def exported_meta(run: Path) -> dict:
+    """The meta.json of the checkpoint `<run>/drafter` was exported from: the best validation step when
+    the run kept one, else its last (as `specblock.train` exports); read from the curve's copy when
+    `keep_last` pruned the checkpoint."""
+    best = read_best(run)
+    if best is not None:
+        folder = best["folder"]
+    else:
+        steps = list_checkpoints(run)
+        if not steps:
+            raise SystemExit(f"{run}: no checkpoint to tell the training compute of its exported drafter")
+        folder = steps[-1].name
+    for where in (run / folder, run / "curve" / folder):
+        if (where / "meta.json").is_file():
+            return read_meta(where)
+    raise SystemExit(f"{run / folder / 'meta.json'}: missing (the checkpoint {run.name}/drafter came from)")
+
+
+def prior_compute(run: Path, seen: tuple[Path, ...] = ()) -> tuple[int, float]:
+    """(tokens, minutes) the run's starting weights were trained for: zero for a run from scratch; for
+    `init_from=<other run>/drafter`, the other run's exported checkpoint plus its own prior, recursively."""
+    from omegaconf import OmegaConf
+
+    init = OmegaConf.load(run / "config.yaml").get("init_from")
+    if not init:
+        return 0, 0.0
+    source = Path(init).parent
+    if not (source / "config.yaml").is_file():
+        raise SystemExit(
+            f"{run / 'config.yaml'}: init_from={init} is not a training run's exported drafter "
+            f"(no {source / 'config.yaml'}): its training compute is unknown"
+        )
+    if source.resolve() in seen:
+        raise SystemExit(f"{run / 'config.yaml'}: init_from loops back to {source}")
+    meta = exported_meta(source)
+    tokens, minutes = prior_compute(source, (*seen, source.resolve()))
+    return tokens + meta["tokens"], minutes + meta.get("train_ms", 0) / 60_000
 
 
 def wanted(args) -> dict:
@@ -105,12 +149,13 @@ def point(run: Path, step: Path, args) -> dict:
         (out / "meta.json").write_text(json.dumps(meta))
     cells = {(r["dataset"], r["method"]): r["metrics"]["block_efficiency"] for r in rows}
     calls = {(r["dataset"], r["method"]): r["metrics"]["drafter_calls_per_token"] for r in rows}
+    tokens, minutes = prior_compute(run)
     return {
         "run": run.name,
         "drafter": name,
         "step": meta["step"],
-        "tokens": meta["tokens"],
-        "minutes": meta.get("train_ms", 0) / 60_000,
+        "tokens": tokens + meta["tokens"],
+        "minutes": minutes + meta.get("train_ms", 0) / 60_000,
         "tree_gsm8k": cells.get(("gsm8k", f"{name}:tree")),
         "tree_overall": cells.get(("overall", f"{name}:tree")),
         "chain_overall": cells.get(("overall", f"{name}:chain-token")),

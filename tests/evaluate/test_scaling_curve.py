@@ -95,3 +95,36 @@ def test_an_earlier_curve_made_with_other_settings_is_refused_naming_them(tmp_pa
         assert "limit" in str(exc) and str(doc) in str(exc) and "max_new_tokens" not in str(exc)
     else:
         raise AssertionError("a curve made with other settings was accepted")
+
+
+def test_a_continued_run_is_drawn_at_its_cumulative_compute(tmp_path):
+    first = fake_run(tmp_path / "first", [100, 200], {})
+    (first / "config.yaml").write_text("run_name: first\n")
+    (first / "best.json").write_text(json.dumps({"folder": "step_000100", "step": 100}))
+    second = fake_run(tmp_path / "second", [50], {})
+    (second / "config.yaml").write_text(f"init_from: {first / 'drafter'}\n")
+    third = fake_run(tmp_path / "third", [10], {})
+    (third / "config.yaml").write_text(f"init_from: {second / 'drafter'}\n")
+    assert curve.prior_compute(first) == (0, 0.0)
+    # the best step (100: 1,000 tokens, 100 ms), not the last one
+    assert curve.prior_compute(second) == (1000, 100 / 60_000)
+    # a chain: second has no best.json, so its last step (50) counts, plus first's
+    assert curve.prior_compute(third) == (1500, 150 / 60_000)
+    for f in (second / "step_000050").iterdir():  # pruned, but its curve copy stays
+        f.unlink()
+    (second / "step_000050").rmdir()
+    (second / "curve" / "step_000050").mkdir(parents=True)
+    (second / "curve" / "step_000050" / "meta.json").write_text(json.dumps({"step": 50, "tokens": 500}))
+    (second / "best.json").write_text(json.dumps({"folder": "step_000050", "step": 50}))
+    assert curve.prior_compute(third)[0] == 1500
+
+
+def test_a_continued_run_whose_source_is_unknown_is_refused(tmp_path):
+    run = fake_run(tmp_path / "run", [10], {})
+    (run / "config.yaml").write_text(f"init_from: {tmp_path / 'elsewhere' / 'drafter'}\n")
+    try:
+        curve.prior_compute(run)
+    except SystemExit as exc:
+        assert "init_from" in str(exc) and "elsewhere" in str(exc)
+    else:
+        raise AssertionError("a run continuing an unknown drafter was drawn from zero")

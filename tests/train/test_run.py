@@ -352,6 +352,18 @@ def test_cpu_full_6k_is_cpu_full_on_more_data():
         assert a == b, key
 
 
+def test_cpu_full_6k_more_continues_the_6k_drafter_on_the_same_data():
+    """The warm restart reads the 6k run's exported drafter, trains on the same rows with the same
+    held-out split (so validation stays comparable and unseen), the curriculum finished from step 0."""
+    base, more = (compose_train(f"experiment={e}") for e in ("cpu_full_6k", "cpu_full_6k_more"))
+    assert more["init_from"] == "checkpoints/cpu_full_6k-specblock/drafter"
+    assert more["run_name"] == "cpu_full_6k_more-specblock" and more["data"] == base["data"]
+    assert more["validation"] == base["validation"] and more["strategy"] == base["strategy"]
+    assert more["loss"]["curriculum"]["end"] == 0
+    assert more["trainer"]["optim"]["lr"] < base["trainer"]["optim"]["lr"]
+    assert more["trainer"]["keep_every"] % more["trainer"]["save_every"] == 0
+
+
 def test_a_resumed_run_remembers_its_best_validation_step(make_cfg, monkeypatch):
     # prefix_alpha rises with the step (curriculum end 3): with best_mode=min the first validation (step 2)
     # stays the best, unless a resumed run forgot it and took its first validation after the kill
