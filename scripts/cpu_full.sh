@@ -4,6 +4,8 @@
 # shard by shard, training from its last checkpoint, the curve checkpoint by checkpoint, a finished
 # evaluation skipped). Order: both drafters, the scaling curve and the speed table, then the math drafters.
 #   nohup scripts/cpu_full.sh > checkpoints/logs/cpu_full.log 2>&1 &
+# The curve and the evaluations read GSM8K, HumanEval, MGSM, LM1B and Alpaca from the hub, or offline from
+# local copies: SPECBLOCK_DATASETS=<folder> scripts/cpu_full.sh (a curve point missing a set stops the curve).
 # Steps per drafter: about 90 minutes each on 2 cores (measured step times in the README); override with
 # SPECBLOCK_STEPS=... EAGLE3_STEPS=... scripts/cpu_full.sh
 # Another experiment with the same stages (runs checkpoints/<experiment>-<drafter>, its evaluation and
@@ -39,8 +41,10 @@ done
 echo "== $(date -u +%H:%M) scaling curve"
 earlier=()  # another experiment's curve shows cpu_full's points beside its own
 if [ "$experiment" != cpu_full ] && [ -f docs/scaling_curve.json ]; then earlier=(--earlier docs/scaling_curve.json); fi
+curve_steps=()  # CURVE_STEPS="120 360 600 900": those checkpoints first (the rest on a later run, all by default)
+if [ -n "${CURVE_STEPS:-}" ]; then read -ra curve_steps <<< "--steps ${CURVE_STEPS}"; fi
 "$py" scripts/scaling_curve.py "checkpoints/${experiment}-specblock" "checkpoints/${experiment}-eagle3" \
-  "${earlier[@]}" --out "$curve"
+  "${earlier[@]}" "${curve_steps[@]}" --out "$curve"
 
 # an evaluation writes its config.json last: present means done, and a rerun of this script skips it
 if [ -f "checkpoints/eval/${experiment}/config.json" ]; then
@@ -66,7 +70,7 @@ if [ "$experiment" = cpu_full_6k ]; then
   fi
   echo "== $(date -u +%H:%M) scaling curve with ${more}"
   "$py" scripts/scaling_curve.py "checkpoints/${experiment}-specblock" "checkpoints/${experiment}-eagle3" \
-    "checkpoints/${more}-specblock" "${earlier[@]}" --out "$curve"
+    "checkpoints/${more}-specblock" "${earlier[@]}" "${curve_steps[@]}" --out "$curve"
   if [ ! -f "checkpoints/eval/${more}/config.json" ]; then
     echo "== $(date -u +%H:%M) speed of ${more}-specblock"
     "$py" -m specblock.evaluate run_name="$more" target.dtype=auto limit=3 max_new_tokens=64 \

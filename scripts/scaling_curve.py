@@ -113,8 +113,13 @@ def cached(results: Path, args) -> bool:
         return False
     if json.loads(settings(results).read_text()) != wanted(args):
         return False
+    return not missing_sets(results, args)
+
+
+def missing_sets(results: Path, args) -> list[str]:
+    """The datasets asked for that a curve evaluation holds no result for."""
     have = {r["dataset"] for r in read_jsonl(results)}  # MGSM is recorded per language: mgsm_en, ...
-    return all(d in have or any(h.startswith(f"{d}_") for h in have) for d in args.datasets)
+    return [d for d in args.datasets if not (d in have or any(h.startswith(f"{d}_") for h in have))]
 
 
 def point(run: Path, step: Path, args) -> dict:
@@ -140,9 +145,16 @@ def point(run: Path, step: Path, args) -> dict:
             limit=args.limit,
             max_new_tokens=args.max_new_tokens,
             target=target,
+            on_unavailable="error",  # a set that cannot be loaded stops the curve before any decoding
         )
         evaluate(cfg)
         settings(results).write_text(json.dumps(wanted(args)))
+        missing = missing_sets(results, args)
+        if missing:  # every later point would skip them too: a curve of a different "overall"
+            raise SystemExit(
+                f"{results}: no results for {', '.join(missing)} (their files were not found; the log says "
+                "why): point --local-root or SPECBLOCK_DATASETS at local copies, or pass --datasets"
+            )
     rows = read_jsonl(results)
     meta = read_meta(step)
     if step != out:  # the copy that keeps the point once the checkpoint is pruned

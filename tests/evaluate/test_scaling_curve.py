@@ -128,3 +128,27 @@ def test_a_continued_run_whose_source_is_unknown_is_refused(tmp_path):
         assert "init_from" in str(exc) and "elsewhere" in str(exc)
     else:
         raise AssertionError("a run continuing an unknown drafter was drawn from zero")
+
+
+def test_a_point_missing_sets_stops_the_curve_naming_them(tmp_path, monkeypatch):
+    run = fake_run(tmp_path / "run", [10], {})
+    (run / "curve" / "step_000010" / "drafter").mkdir(parents=True)
+    (run / "curve" / "step_000010" / "drafter" / "config.json").write_text("{}")
+    from specblock.data.target import TargetConfig
+
+    monkeypatch.setattr(curve, "run_config", lambda run: ("specblock", TargetConfig()))
+
+    def offline_evaluate(cfg):  # as the app would with on_unavailable=skip: the sets it cannot load skipped
+        assert cfg.on_unavailable == "error"  # the app itself stops first
+        out = Path(cfg.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        rows = [{"dataset": d, "method": "specblock:tree", "metrics": {}} for d in ("humaneval", "overall")]
+        (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    monkeypatch.setattr(curve, "evaluate", offline_evaluate)
+    try:
+        curve.point(run, run / "step_000010", argparse.Namespace(**{**vars(ARGS), "local_root": "auto"}))
+    except SystemExit as exc:
+        assert "gsm8k, mgsm, lm1b, alpaca" in str(exc) and "SPECBLOCK_DATASETS" in str(exc)
+    else:
+        raise AssertionError("a curve point without most of its sets was drawn")
