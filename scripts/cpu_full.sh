@@ -11,7 +11,7 @@
 # Another experiment with the same stages (runs checkpoints/<experiment>-<drafter>, its evaluation and
 # curve named after it; the math fine-tunes belong to cpu_full alone):
 #   CPU_FULL_EXPERIMENT=cpu_full_6k scripts/cpu_full.sh   # three times the distinct regenerated data
-# (then its warm restart, cpu_full_6k_more: MORE_STEPS=... sets its steps)
+# (then cpu_full_6k_cut, answers cut where they repeat, and cpu_full_6k_more, a warm restart: MORE_STEPS=...)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=.venv/bin/python
@@ -57,27 +57,30 @@ else
     'methods=[autoregressive,lookup,chain-token,tree,tree+lookup]'
 fi
 
-# cpu_full_6k goes on: a warm restart of its SpecBlock drafter on the same data (configs/experiment/
-# cpu_full_6k_more.yaml, ~85 minutes), drawn on the curve at its cumulative compute, then its speed.
+# cpu_full_6k goes on with two SpecBlock runs on its features, each drawn on the curve and evaluated:
+# cpu_full_6k_cut (from scratch, answers cut where they start to repeat: configs/experiment/cpu_full_6k_cut.yaml)
+# and cpu_full_6k_more (a warm restart on the same rows, drawn at its cumulative compute; MORE_STEPS=...).
 if [ "$experiment" = cpu_full_6k ]; then
-  more=cpu_full_6k_more
-  if [ -f "checkpoints/${more}-specblock/drafter/config.json" ]; then
-    echo "${more}-specblock: exported already, skipped"
-  else
-    echo "== $(date -u +%H:%M) training ${more}-specblock (warm restart of ${experiment}-specblock)"
-    "$py" -m specblock.train experiment="$more" drafter=specblock resume=latest \
-      trainer.max_steps="${MORE_STEPS:-900}"
-  fi
-  echo "== $(date -u +%H:%M) scaling curve with ${more}"
-  "$py" scripts/scaling_curve.py "checkpoints/${experiment}-specblock" "checkpoints/${experiment}-eagle3" \
-    "checkpoints/${more}-specblock" "${earlier[@]}" "${curve_steps[@]}" --out "$curve"
-  if [ ! -f "checkpoints/eval/${more}/config.json" ]; then
-    echo "== $(date -u +%H:%M) speed of ${more}-specblock"
-    "$py" -m specblock.evaluate run_name="$more" target.dtype=auto limit=3 max_new_tokens=64 \
-      "drafters={specblock: checkpoints/${more}-specblock/drafter, eagle3: checkpoints/${experiment}-eagle3/drafter}" \
-      draft_length=auto trees.specblock.budget=auto trees.eagle3.budget=auto \
-      'methods=[autoregressive,lookup,chain-token,tree,tree+lookup]'
-  fi
+  runs=("checkpoints/${experiment}-specblock" "checkpoints/${experiment}-eagle3")
+  for next in cpu_full_6k_cut cpu_full_6k_more; do
+    extra=(); if [ "$next" = cpu_full_6k_more ]; then extra=(trainer.max_steps="${MORE_STEPS:-900}"); fi
+    if [ -f "checkpoints/${next}-specblock/drafter/config.json" ]; then
+      echo "${next}-specblock: exported already, skipped"
+    else
+      echo "== $(date -u +%H:%M) training ${next}-specblock"
+      "$py" -m specblock.train experiment="$next" drafter=specblock resume=latest "${extra[@]}"
+    fi
+    runs+=("checkpoints/${next}-specblock")
+    echo "== $(date -u +%H:%M) scaling curve with ${next}"
+    "$py" scripts/scaling_curve.py "${runs[@]}" "${earlier[@]}" "${curve_steps[@]}" --out "$curve"
+    if [ ! -f "checkpoints/eval/${next}/config.json" ]; then
+      echo "== $(date -u +%H:%M) speed of ${next}-specblock"
+      "$py" -m specblock.evaluate run_name="$next" target.dtype=auto limit=3 max_new_tokens=64 \
+        "drafters={specblock: checkpoints/${next}-specblock/drafter, eagle3: checkpoints/${experiment}-eagle3/drafter}" \
+        draft_length=auto trees.specblock.budget=auto trees.eagle3.budget=auto \
+        'methods=[autoregressive,lookup,chain-token,tree,tree+lookup]'
+    fi
+  done
 fi
 
 # The math drafters: each fine-tuned on GSM8K's train split answered again by the target (README section

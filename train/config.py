@@ -49,6 +49,9 @@ class TrainConfig:
     # new data keeps its draft vocabulary; a resumed run reads its own checkpoint instead
     init_from: str | None = None
     init_layers: str = "random"  # INIT_LAYERS: how a run without init_from starts its decoder layers
+    # n > 0: every row (training and held-out) is cut where its answer first repeats an n-token span it
+    # already holds (data/repeats.py: a small target's greedy answers fall into loops); 0 keeps rows whole
+    cut_repeats: int = 0
     data: PrepareConfig = field(default_factory=PrepareConfig)
     # the `drafter` group: configs/drafter/<name>.yaml over its drafter's own schema (drafters.py)
     drafter: DrafterConfig = MISSING
@@ -75,6 +78,8 @@ class TrainConfig:
             raise ValueError("trainer.eval_every > 0 needs a held-out split: set validation.fraction > 0")
         if self.init_layers not in INIT_LAYERS:
             raise ValueError(f"init_layers={self.init_layers!r} is not one of {INIT_LAYERS}")
+        if self.cut_repeats < 0:
+            raise ValueError(f"cut_repeats must be 0 (off) or a span length >= 1, got {self.cut_repeats}")
         if self.init_layers != "random" and self.init_from:
             raise ValueError(
                 f"init_from={self.init_from!r} sets every weight of the drafter; init_layers="

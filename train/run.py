@@ -17,6 +17,7 @@ from transformers import PretrainedConfig
 from specblock.data.capture import load_feature_rows
 from specblock.data.manifest import read_manifest
 from specblock.data.prepare import prepare
+from specblock.data.repeats import CutRepeats, cut_row
 from specblock.data.shards import TokenDataset
 from specblock.data.target_argmax import head_key, target_argmax
 from specblock.data.target import TargetHead, default_feature_layers, load_target
@@ -112,6 +113,9 @@ def build(cfg: TrainConfig) -> Built:
             rows = feature_rows(data.features_dir, head)
     else:
         rows = TokenDataset(data.tokens_dir)
+    if cfg.cut_repeats:  # answers cut where they start to repeat (data/repeats.py)
+        n = cfg.cut_repeats
+        rows = [cut_row(r, n) for r in rows] if isinstance(rows, list) else CutRepeats(rows, n)
     val = cfg.validation
     train_idx, val_idx = split_indices(len(rows), val.fraction, val.max_rows, val.seed)
     rows, held_out = Subset(rows, train_idx), (Subset(rows, val_idx) if val_idx else None)

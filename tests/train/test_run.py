@@ -422,3 +422,35 @@ def test_cpu_full_math_fine_tunes_the_cpu_full_drafter_on_1600_questions():
     assert math["strategy"]["num_ttt_blocks"] == full["strategy"]["num_ttt_blocks"] == 1
     assert math["trainer"]["max_steps"] == 200
     assert math["loss"]["curriculum"]["start"] == math["loss"]["curriculum"]["end"] == 0
+
+
+@pytest.mark.parametrize("features", ["online", "offline"])
+def test_cut_repeats_cuts_training_and_held_out_rows(make_cfg, features):
+    """cut_repeats=1: no row keeps an answer token it already emitted; some rows get shorter."""
+    from specblock.data.repeats import cut_at_repeat
+
+    whole = run_mod.build(make_cfg(out=f"whole-{features}", features=features, max_steps=1))
+    cfg = make_cfg(out=f"cut-{features}", features=features, max_steps=1)
+    cfg.cut_repeats = 1
+    cut = run_mod.build(cfg)
+    lengths = lambda rows: [len(rows[i]["input_ids"]) for i in range(len(rows))]  # noqa: E731
+    assert len(cut.rows) == len(whole.rows)
+    assert all(c <= w for c, w in zip(lengths(cut.rows), lengths(whole.rows)))
+    assert sum(lengths(cut.rows)) < sum(lengths(whole.rows))
+    for rows in (cut.rows, cut.held_out or []):
+        for i in range(len(rows)):
+            r = rows[i]
+            assert cut_at_repeat(r["input_ids"].tolist(), r["loss_mask"].tolist(), 1) == len(r["input_ids"])
+            if features == "offline":
+                assert len(r["features"]) == len(r["target_argmax"]) == len(r["input_ids"])
+
+
+def test_cpu_full_6k_cut_is_cpu_full_6k_with_answers_cut():
+    base, cut = (compose_train(f"experiment={e}") for e in ("cpu_full_6k", "cpu_full_6k_cut"))
+    assert base["cut_repeats"] == 0 and cut["cut_repeats"] == 32
+    assert cut["run_name"] == "cpu_full_6k_cut-specblock" and cut["data"] == base["data"]
+    for key in ("trainer", "loss", "strategy", "validation", "drafter"):
+        a, b = (dict(c[key]) for c in (base, cut))
+        for run_key in ("output_dir", "run_name"):
+            a.pop(run_key, None), b.pop(run_key, None)
+        assert a == b, key
