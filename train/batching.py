@@ -56,16 +56,18 @@ def teacher_and_valid(
     t2d: torch.Tensor,
     slots: int,
     target_argmax: torch.Tensor | None = None,
+    temperature: float = 1.0,
 ) -> tuple[TeacherLaw, torch.Tensor]:
     """The teacher's law per target position and the validity of every (position, slot).
 
     target_logits [B, T, V] in any float dtype (bf16 included: only the draft columns are upcast, exactly).
     With `target_argmax` [B, T] (the target's argmax over its full vocabulary, from the feature cache),
     target_logits are the draft vocabulary's columns only, [B, T, Vd]: the same law and validity.
-    Returns law [B, T+slots] (a TeacherLaw over the draft vocabulary: row j is the target's softmax at
-    position j restricted to the draft vocabulary; rows j >= T are zero padding, never valid) and valid
-    [B, S, slots]. Slot k at context position t reads row t+1+k: `law.slot_grid(1 + offset, S, K)` gives a
-    block at token offset `offset` its [B, S, K, Vd] teacher as a view, without K copies.
+    Returns law [B, T+slots] (a TeacherLaw over the draft vocabulary: row j is the softmax of the target's
+    logits / `temperature` at position j restricted to the draft vocabulary; rows j >= T are zero padding,
+    never valid) and valid [B, S, slots]. Slot k at context position t reads row t+1+k:
+    `law.slot_grid(1 + offset, S, K)` gives a block at token offset `offset` its [B, S, K, Vd] teacher as a
+    view, without K copies.
     valid[:, t, k]: the predicted token t+2+k exists, is a real token, is an assistant token (loss_mask),
     and the target's own next token (its argmax over the FULL vocabulary) lies in the draft vocabulary:
     a slot whose target token the drafter cannot even emit cannot be accepted at temperature 0, and
@@ -74,7 +76,9 @@ def teacher_and_valid(
     _, length, _ = target_logits.shape
     steps, device = length - 1, target_logits.device
     law = TeacherLaw.from_logits(
-        target_logits if target_argmax is not None else target_logits[:, :, d2t], pad=slots
+        target_logits if target_argmax is not None else target_logits[:, :, d2t],
+        pad=slots,
+        temperature=temperature,
     )
     rows = torch.arange(steps, device=device)[:, None] + 1 + torch.arange(slots, device=device)  # [S, K]
     predicted = rows + 1  # the predicted token's position t + 2 + k

@@ -104,7 +104,8 @@ class DistillStrategy:
         features, logits, top = self.teacher_inputs(batch)
         tokens, attention = shifted_tokens(batch["input_ids"]), batch["attention_mask"][:, 1:]
         outputs, offsets = self.draft(features[:, :-1], tokens, attention, step)
-        law, valid = teacher_and_valid(batch, logits, self.d2t, self.t2d, self.slots + max(offsets), top)
+        slots, temperature = self.slots + max(offsets), self.loss_cfg.teacher_temperature
+        law, valid = teacher_and_valid(batch, logits, self.d2t, self.t2d, slots, top, temperature)
         sums, counts, metrics = {}, {}, {}
         for b, (out, off) in enumerate(zip(outputs, offsets)):
             res = specblock_loss(

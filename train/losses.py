@@ -79,6 +79,9 @@ class LossConfig:
     rank_start_step: the rank loss counts from this optimizer step on (authors' default 2000, 0 in
         their release scripts).
     draft_topk: HASS-style distillation over the teacher's top-k tokens only; None = full vocabulary.
+    teacher_temperature: the drafter distils softmax(target logits / teacher_temperature); 1 is the target's
+        own law (exact distillation), below 1 a sharper law with the same argmax, which puts the loss on the
+        token greedy (T = 0) verification accepts.
     """
 
     slot_decay: float = 0.8
@@ -87,12 +90,15 @@ class LossConfig:
     rank_start_step: int = 0
     rank_weight: float = 1.0
     draft_topk: int | None = None
+    teacher_temperature: float = 1.0
 
     def __post_init__(self) -> None:
         if self.slot_decay <= 0:
             raise ValueError(f"slot_decay must be > 0, got {self.slot_decay}")
         if self.rank_weight < 0:
             raise ValueError(f"rank_weight must be >= 0, got {self.rank_weight}")
+        if not self.teacher_temperature > 0:
+            raise ValueError(f"teacher_temperature must be > 0, got {self.teacher_temperature}")
         if self.draft_topk is not None and self.draft_topk < 1:
             raise ValueError(f"draft_topk must be None or >= 1, got {self.draft_topk}")
 

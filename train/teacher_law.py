@@ -26,15 +26,19 @@ class TeacherLaw(NamedTuple):
     argmax: Tensor
 
     @staticmethod
-    def from_logits(logits: Tensor, pad: int = 0) -> TeacherLaw:
+    def from_logits(logits: Tensor, pad: int = 0, temperature: float = 1.0) -> TeacherLaw:
         """[..., V] teacher logits (rows of -inf, e.g. padding, give p = 0) -> the law per entry, with `pad`
         rows of zeros (p = 0, neg_entropy 0, argmax 0) appended along dim 1 (dim 0 of a 2-D tensor).
+        temperature: the law is softmax(logits / temperature); below 1 it sharpens the teacher towards its
+        argmax (which it never changes), the token greedy verification accepts.
         Computed chunk by chunk (`row_chunks`: the upcast, softmax, p log p and argmax over a chunk in
         cache, written into the outputs; the same values as over the whole tensor, 1.6x faster on
         [4, 350, 8192] bf16 logits, 2 CPU threads)."""
+        if not temperature > 0:
+            raise ValueError(f"the teacher's temperature must be > 0, got {temperature}")
         logits = logits.detach()
         if logits.dim() == 1:  # one row
-            return TeacherLaw(*(x[0] for x in TeacherLaw.from_logits(logits[None], pad)))
+            return TeacherLaw(*(x[0] for x in TeacherLaw.from_logits(logits[None], pad, temperature)))
         dim, chunks = row_chunks(logits)
         rows = list(logits.shape[:-1])
         rows[dim] += pad
@@ -44,6 +48,8 @@ class TeacherLaw(NamedTuple):
         argmax = torch.empty(rows, dtype=torch.long, device=logits.device)
         for a, n in chunks:
             z = at_least_fp32(logits.narrow(dim, a, n))
+            if temperature != 1.0:
+                z = z / temperature
             p = probs.narrow(dim, a, n)
             p.copy_(torch.softmax(z, dim=-1)).nan_to_num_(0.0)
             neg_entropy.narrow(dim, a, n).copy_(torch.xlogy(p, p).sum(-1))

@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from specblock.train.batching import collate, shifted_tokens, teacher_and_valid
@@ -98,3 +99,37 @@ def test_the_caches_argmax_with_the_draft_columns_gives_the_same_teacher():
     assert torch.equal(full[1], cut[1]) and full[1].any() and not full[1].all()
     for a, b in zip(full[0], cut[0]):
         assert torch.equal(a, b)
+
+
+def test_a_teacher_temperature_sharpens_the_law_and_keeps_its_argmax():
+    """teacher_and_valid(..., temperature=t) is the law of logits / t: the same argmax and validity, a
+    sharper law for t < 1 (more mass on the argmax, lower entropy)."""
+    g = torch.Generator().manual_seed(3)
+    B, T, V, K = 2, 7, 6, 2
+    logits = torch.randn(B, T, V, generator=g) * 2
+    batch = {
+        "attention_mask": torch.ones(B, T, dtype=torch.long),
+        "loss_mask": torch.ones(B, T, dtype=torch.long),
+    }
+    d2t, t2d = torch.arange(V), torch.ones(V, dtype=torch.bool)
+    plain, valid = teacher_and_valid(batch, logits, d2t, t2d, K)
+    sharp, valid_sharp = teacher_and_valid(batch, logits, d2t, t2d, K, temperature=0.5)
+    scaled, _ = teacher_and_valid(batch, logits / 0.5, d2t, t2d, K)
+    torch.testing.assert_close(sharp.probs, scaled.probs)
+    torch.testing.assert_close(sharp.neg_entropy, scaled.neg_entropy)
+    assert torch.equal(sharp.argmax, plain.argmax) and torch.equal(valid_sharp, valid)
+    rows = slice(0, T)  # the padding rows after them are zeros in both
+    top = plain.argmax[:, rows, None]
+    assert (sharp.probs[:, rows].gather(-1, top) > plain.probs[:, rows].gather(-1, top)).all()
+    assert (sharp.neg_entropy[:, rows] > plain.neg_entropy[:, rows]).all()
+
+
+def test_a_teacher_temperature_must_be_positive():
+    from specblock.train.losses import LossConfig
+    from specblock.train.teacher_law import TeacherLaw
+
+    for bad in (0.0, -1.0):
+        with pytest.raises(ValueError, match="temperature"):
+            TeacherLaw.from_logits(torch.zeros(2, 3), temperature=bad)
+        with pytest.raises(ValueError, match="teacher_temperature"):
+            LossConfig(teacher_temperature=bad)

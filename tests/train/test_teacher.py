@@ -72,3 +72,24 @@ def test_an_offline_batch_with_the_caches_argmax_trains_on_the_same_loss():
     a, b = offline.forward_loss(plain, 0, 0), offline.forward_loss({**plain, "target_argmax": top}, 0, 0)
     torch.testing.assert_close(offline.loss(b.sums, b.counts), offline.loss(a.sums, a.counts))
     assert all(torch.equal(a.counts[k], b.counts[k]) for k in a.counts)  # the same valid entries
+
+
+def test_the_loss_configs_teacher_temperature_reaches_the_teacher():
+    """With loss.teacher_temperature = 0.5 a strategy trains on exactly the loss it computes at 1 for teacher
+    logits twice as large: the knob scales the teacher's logits and nothing else."""
+    target = tiny_softcapped(VOCAB)
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(2))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+    cached = FeatureTarget(target, LAYERS)(ids, batch["attention_mask"], with_logits=False)
+    batch = {**batch, "features": cached.features, "last_hidden": cached.last_hidden}
+    _, strategy = strategies(target)
+    features, logits = strategy.target_outputs(batch)
+
+    def loss(temperature: float, scale: float) -> torch.Tensor:
+        strategy.loss_cfg = LossConfig(teacher_temperature=temperature)
+        strategy.teacher_inputs = lambda b: (features, logits * scale, None)
+        out = strategy.forward_loss(batch, 0, 0)
+        return strategy.loss(out.sums, out.counts)
+
+    torch.testing.assert_close(loss(0.5, 1.0), loss(1.0, 2.0))
+    assert not torch.allclose(loss(0.5, 1.0), loss(1.0, 1.0))
