@@ -48,12 +48,11 @@ class TeacherLaw(NamedTuple):
         argmax = torch.empty(rows, dtype=torch.long, device=logits.device)
         for a, n in chunks:
             z = at_least_fp32(logits.narrow(dim, a, n))
-            if temperature != 1.0:
-                z = z / temperature
-            p = probs.narrow(dim, a, n)
-            p.copy_(torch.softmax(z, dim=-1)).nan_to_num_(0.0)
-            neg_entropy.narrow(dim, a, n).copy_(torch.xlogy(p, p).sum(-1))
+            # the argmax of the logits themselves: dividing rounds, and two near-tied logits could become equal
             argmax.narrow(dim, a, n).copy_(argmax_last(z))
+            p = probs.narrow(dim, a, n)
+            p.copy_(torch.softmax(z if temperature == 1.0 else z / temperature, dim=-1)).nan_to_num_(0.0)
+            neg_entropy.narrow(dim, a, n).copy_(torch.xlogy(p, p).sum(-1))
         total = logits.shape[dim]
         for x in (probs, neg_entropy, argmax):
             x.narrow(dim, total, pad).zero_()

@@ -2,6 +2,8 @@ import pytest
 import torch
 
 from specblock.train.batching import collate, shifted_tokens, teacher_and_valid
+from specblock.train.losses import LossConfig
+from specblock.train.teacher_law import TeacherLaw
 
 
 def test_collate_right_pads():
@@ -125,9 +127,6 @@ def test_a_teacher_temperature_sharpens_the_law_and_keeps_its_argmax():
 
 
 def test_a_teacher_temperature_must_be_positive():
-    from specblock.train.losses import LossConfig
-    from specblock.train.teacher_law import TeacherLaw
-
     for bad in (0.0, -1.0):
         with pytest.raises(ValueError, match="temperature"):
             TeacherLaw.from_logits(torch.zeros(2, 3), temperature=bad)
