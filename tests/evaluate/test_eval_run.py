@@ -85,6 +85,8 @@ def test_a_one_block_specblock_drafter_drafts_one_block_round(tmp_path):
     untrained_rounds is set; a folder without the record keeps the configured rounds."""
     from dataclasses import replace
 
+    from specblock.evaluate.decoding.drafters import default_trees
+
     def folder(name, **extra):
         path = tmp_path / name
         path.mkdir()
@@ -96,7 +98,9 @@ def test_a_one_block_specblock_drafter_drafts_one_block_round(tmp_path):
     cfg = EvalConfig(drafters={"specblock": one, "sb_two": two, "sb_old": old}, methods=["tree"])
     assert cfg.trees["specblock"].steps == 1
     assert cfg.trees["sb_two"].steps == cfg.trees["sb_old"].steps == 2  # the default shape's two rounds
-    trees = {"specblock": replace(EvalConfig().trees["specblock"], untrained_rounds=True)}
+    # the registered default shape, not EvalConfig()'s: that one reads the default drafter folders, which
+    # a finished main job leaves trained with one block (checkpoints/quick-specblock/drafter)
+    trees = {"specblock": replace(default_trees()["specblock"], untrained_rounds=True)}
     kept = EvalConfig(drafters={"specblock": one}, methods=["tree"], trees=trees)
     assert kept.trees["specblock"].steps == 2
 
