@@ -6,8 +6,8 @@ The drafter's `extend` / `draft` compiled by inductor (dynamic shapes, `freezing
 prepacked by inductor, so the drafter is stored row-major first) against the eager drafter on oneDNN's
 packed bf16 product (`weight_layout=auto` here), both in bf16:
 1. per call: `extend` of 1-4 verified positions after a prompt's cache, the cache growing call by call as
-   in the loop (a fixed cache stays in the CPU's caches and flatters both), median ms after a warm-up;
-   the compilation's seconds and recompiles are printed;
+   in the loop (a fixed cache stays in the CPU's caches and flatters both), median ms after a warm-up
+   whose seconds (the first compilations) are printed; `TORCH_LOGS=recompiles` names every later one;
 2. in the loop: `tree@auto` on `--prompts` prompts, one untimed pass over all of them first (compilation
    there, not in the timed passes), then `--repeats` interleaved passes; tokens/s, tokens per
    iteration, drafter ms per call.
@@ -57,7 +57,7 @@ def per_call_ms(drafter, context: int, calls: int, seed: int = 0) -> list[float]
     rng, F = random.Random(seed), drafter.feature_size
     gen = torch.Generator().manual_seed(seed)
     cond = torch.randn(1, context + 4 * calls, F, generator=gen).bfloat16()
-    tokens = torch.randint(0, 40000, (1, context + 4 * calls), generator=gen)
+    tokens = torch.randint(0, drafter.t2d.numel(), (1, context + 4 * calls), generator=gen)  # target ids
     step = drafter.extend(cond[:, :context], tokens[:, :context], None, position=0, last_only=True)
     pos, out = context, []
     for _ in range(calls):
