@@ -9,8 +9,9 @@ packed bf16 product (`weight_layout=auto` here), both in bf16:
    in the loop (a fixed cache stays in the CPU's caches and flatters both), median ms after a warm-up
    whose seconds (the first compilations) are printed; `TORCH_LOGS=recompiles` names every later one;
 2. in the loop: `tree@auto` on `--prompts` prompts, one untimed pass over all of them first (compilation
-   there, not in the timed passes), then `--repeats` interleaved passes; tokens/s, tokens per
-   iteration, drafter ms per call.
+   there, not in the timed passes), then `--repeats` interleaved passes summed in bench_decode's `Split`:
+   tokens/s (end to end, the median of the passes), tokens per iteration and drafter ms per call (the
+   decoding phase, prefill excluded). Session 31's figures summed all passes, prefill included.
 """
 
 from __future__ import annotations
@@ -95,20 +96,23 @@ def loop_ab(args, model, tok, eos, drafters: dict, meta: dict) -> None:
         for i, p in enumerate(prompts):
             dec.generate(p, seed=i)
         print(f"untimed pass, {name}: {time.perf_counter() - start:.1f} s", flush=True)
-    stats = {name: [0, 0, 0, 0.0, 0.0] for name in decs}  # tokens, iterations, calls, drafter s, s
+    splits = {name: bd.Split() for name in decs}
     for _ in range(args.repeats):
+        totals = {name: [0, 0.0] for name in decs}
         for i, p in enumerate(prompts):
             for name, dec in decs.items():
                 g = dec.generate(p, seed=i)
-                s = stats[name]
-                s[0] += len(g.tokens)
-                s[1] += len(g.iterations)
-                s[2] += sum(it.drafter_calls for it in g.iterations)
-                s[3] += sum(it.drafter_seconds for it in g.iterations)
-                s[4] += g.seconds
-    print("| drafter | tokens / s | tokens / iteration | drafter ms / call |\n|---|---|---|---|")
-    for name, (n, its, calls, dsec, sec) in stats.items():
-        print(f"| {name} | {n / sec:.1f} | {n / max(its, 1):.2f} | {1e3 * dsec / max(calls, 1):.2f} |")
+                splits[name].add(g)
+                totals[name][0] += len(g.tokens)
+                totals[name][1] += g.seconds
+        for name, (n, sec) in totals.items():
+            splits[name].runs.append((n, sec))
+    print("| drafter | tokens / s (median) | tokens / iteration | drafter ms / call |\n|---|---|---|---|")
+    for name, s in splits.items():
+        print(
+            f"| {name} | {s.tokens_per_second():.1f} | {s.tokens / max(s.iterations, 1):.2f} "
+            f"| {1e3 * s.draft / max(s.calls, 1):.2f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@
    decoding in the same precision and to float32 autoregressive decoding. The decoding phase (prefill
    excluded) splits into drafting, target forward, verification and the rest (overhead: bookkeeping,
    cache gathers, sampling) = iteration wall time minus the three, per emitted token and per iteration
-   (one target call; for autoregressive decoding one step), summed over all repeats before dividing.
+   (one target call; for autoregressive decoding one step), summed over all repeats before dividing;
+   with the drafter's calls per emitted token and milliseconds per call.
 2. The target forward alone against the number of tokens fed (1 ... 128, a causal chain) after a
    `--context`-token KV cache, median of `--forward-repeats`, per dtype (and layout), the models alternating
    forward by forward: a table and a plot.
@@ -68,6 +69,7 @@ class Split:
     verify: float = 0.0
     wall: float = 0.0
     accepted: int = 0
+    calls: int = 0  # drafter calls after the prefill
     generations: int = 0
     differ: int = 0  # temperature 0: first-repeat generations whose tokens differ from autoregressive's
     runs: list[tuple[int, float]] = field(default_factory=list)  # per repeat: (tokens, end-to-end seconds)
@@ -80,6 +82,7 @@ class Split:
         self.verify += sum(it.verify_seconds for it in g.iterations)
         self.wall += g.seconds - g.prefill_seconds
         self.accepted += sum(it.accepted for it in g.iterations)
+        self.calls += sum(it.drafter_calls for it in g.iterations)
         self.generations += 1
 
     @property
@@ -270,8 +273,9 @@ def decoding_table(splits: dict[tuple[str, str], Split], temperature: float) -> 
     lines = [
         "| dtype | method | tokens / s (median) | x autoregressive (same dtype) | x fastest float32 autoregressive "
         "| tokens / iteration | per token: draft / target / verify / other ms "
-        "| per iteration: draft / target / verify / other ms | tokens ≠ autoregressive |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| per iteration: draft / target / verify / other ms | drafter calls / token | ms / drafter call "
+        "| tokens ≠ autoregressive |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]  # fmt: skip
     plain32 = [s for (dt, m), s in splits.items() if dt.split()[0] == "float32" and m == AUTOREGRESSIVE]
     f32 = max(plain32, key=Split.tokens_per_second, default=None)  # over the weight layouts measured
@@ -287,9 +291,12 @@ def decoding_table(splits: dict[tuple[str, str], Split], temperature: float) -> 
 
         per_repeat = s.generations // len(s.runs)
         differ = f"{s.differ} of {per_repeat}" if temperature == 0 else "–"
+        calls = (
+            f"{ratio(s.calls, s.tokens):.2f} | {1e3 * ratio(s.draft, s.calls):.2f}" if s.calls else "– | –"
+        )
         lines.append(
             f"| {dt} | {m} | {tps:.1f} | {x(same)} | {x(f32)} | {ratio(s.tokens, s.iterations):.2f} "
-            f"| {ms(s.tokens)} | {ms(s.iterations)} | {differ} |"
+            f"| {ms(s.tokens)} | {ms(s.iterations)} | {calls} | {differ} |"
         )
     return "\n".join(lines) + "\n"
 
