@@ -29,7 +29,7 @@ from .drafters import build_drafter, train_spec
 from .export import export_checkpoint, export_config
 from .modeling import build_vocab_map, count_tokens, start_from_target_layers
 from .strategy import DrafterStrategy
-from .tracking import is_main, log0
+from .tracking import is_main, log0, settle_wandb_mode, warn0
 from .trainer import fit
 from .validation import read_best, split_indices
 
@@ -152,6 +152,8 @@ def train(cfg: TrainConfig, resolved: dict | None = None) -> dict[str, float]:
             f"{cfg.trainer.output_dir} already holds checkpoints ({earlier[-1].name}); continue "
             "with trainer.resume=latest, or pick another run_name / output_dir"
         )
+    if (line := settle_wandb_mode(cfg.trainer.logger, Path(cfg.trainer.output_dir))) is not None:
+        warn0(line)
     built = build(cfg)
     if is_main():
         OmegaConf.save(OmegaConf.create(resolved), Path(cfg.output_dir) / "config.yaml")

@@ -8,13 +8,16 @@ only. Anchors: nanochat `print0`/`DummyWandb`, lightning-hydra-template `RankedL
 from __future__ import annotations
 
 import logging
+import netrc
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 TRACKERS = ("wandb", "none")
+WANDB_HOST = "https://api.wandb.ai"  # WANDB_BASE_URL overrides it, as in wandb
 REDACTED = "<redacted>"
 # Config keys whose values must never reach a log or a tracker (habit: no secrets in configs).
 SECRET_KEY = re.compile(
@@ -39,6 +42,12 @@ def log0(msg: str) -> None:
         logger.info(msg)
 
 
+def warn0(msg: str) -> None:
+    """Log `msg` at WARNING level, on rank 0 only."""
+    if is_main():
+        logger.warning(msg)
+
+
 HEADLINE = ("top1", "accept_len", "rank_acc")  # metric names the console lines show
 
 
@@ -61,6 +70,38 @@ def redact_secrets(config: Any) -> Any:
     if isinstance(config, (list, tuple)):
         return [redact_secrets(v) for v in config]
     return config
+
+
+def wandb_credentials(env: Mapping[str, str] | None = None) -> str | None:
+    """Where wandb would find an API key without prompting, or None: WANDB_API_KEY, else the netrc file
+    (NETRC, else ~/.netrc) entry for the W&B host (WANDB_BASE_URL's, else api.wandb.ai) that `wandb login`
+    writes. A key kept only in wandb's settings file is not seen: WANDB_MODE=online insists."""
+    env = os.environ if env is None else env
+    if env.get("WANDB_API_KEY"):
+        return "WANDB_API_KEY"
+    path = Path(env.get("NETRC") or Path.home() / ".netrc").expanduser()
+    host = urlsplit(env.get("WANDB_BASE_URL") or WANDB_HOST).netloc
+    try:
+        found = bool(host) and netrc.netrc(str(path)).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):  # no file, unreadable, malformed: no key from it
+        found = False
+    return str(path) if found else None
+
+
+def settle_wandb_mode(kind: str, log_dir: Path, env: MutableMapping[str, str] | None = None) -> str | None:
+    """W&B's mode, decided before any long work (the data stage, a feature capture): without it wandb looks
+    for a key only when the trackers start, after the data stage, and a run without a login died there.
+    For `logger=wandb` with WANDB_MODE unset and no key (`wandb_credentials`) it sets WANDB_MODE=offline in
+    `env` (os.environ by default) and returns the line to log; otherwise it changes nothing (None)."""
+    env = os.environ if env is None else env
+    if kind != "wandb" or env.get("WANDB_MODE") or wandb_credentials(env):
+        return None
+    env["WANDB_MODE"] = "offline"
+    return (
+        "logger=wandb, and no W&B API key was found (WANDB_API_KEY, or `wandb login`'s netrc entry): W&B logs "
+        f"offline to {log_dir / 'wandb'} (upload with `wandb sync {log_dir / 'wandb'}/offline-run-*`); "
+        "WANDB_MODE=online insists on logging online, trainer.logger=none turns W&B off"
+    )
 
 
 class NullTracker:

@@ -6,6 +6,7 @@ import dataclasses
 import importlib.resources
 import logging
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -454,3 +455,23 @@ def test_cpu_full_6k_cut_is_cpu_full_6k_with_answers_cut():
         for run_key in ("output_dir", "run_name"):
             a.pop(run_key, None), b.pop(run_key, None)
         assert a == b, key
+
+
+def test_a_wandb_run_without_a_key_goes_offline_before_its_data_stage(
+    make_cfg, monkeypatch, caplog, tmp_path
+):
+    """The mode is settled before `build` (the data stage, a feature capture), not when the trackers start
+    after it: a run without a W&B login used to die there, its capture's minutes spent."""
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    seen = {}
+
+    def data_stage(cfg):
+        seen["mode"] = os.environ.get("WANDB_MODE")
+        raise RuntimeError("stop at the data stage")
+
+    monkeypatch.setattr(run_mod, "build", data_stage)
+    with caplog.at_level(logging.WARNING), pytest.raises(RuntimeError, match="data stage"):
+        run_mod.train(make_cfg(logger="wandb"))
+    assert seen["mode"] == "offline" and "no W&B API key was found" in caplog.text

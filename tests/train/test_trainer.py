@@ -13,7 +13,15 @@ from torch import nn
 from specblock.train import checkpoint as ckpt
 from specblock.train.optim import OptimConfig, build_optimizer, build_scheduler, lr_factor
 from specblock.train.strategy import DrafterStrategy
-from specblock.train.tracking import NullTracker, is_main, log0, make_tracker, redact_secrets
+from specblock.train.tracking import (
+    NullTracker,
+    is_main,
+    log0,
+    make_tracker,
+    redact_secrets,
+    settle_wandb_mode,
+    wandb_credentials,
+)
 from specblock.train.checkpoint import EpochSampler
 from specblock.train.trainer import TrainerConfig, fit
 
@@ -331,3 +339,39 @@ def test_only_rank_zero_logs(monkeypatch, caplog):
     monkeypatch.setenv("RANK", "0")
     log0("from rank 0")
     assert [r.getMessage() for r in caplog.records] == ["from rank 0"]
+
+
+def _netrc(path: Path, host: str) -> Path:
+    path.write_text(f"machine {host}\n  login user\n  password {'x' * 40}\n")
+    path.chmod(0o600)  # netrc refuses a readable password file owned by the user
+    return path
+
+
+def test_wandb_credentials_are_found_where_wandb_looks_without_prompting(tmp_path):
+    assert wandb_credentials({"WANDB_API_KEY": "k", "NETRC": str(tmp_path / "none")}) == "WANDB_API_KEY"
+    assert wandb_credentials({"NETRC": str(tmp_path / "none")}) is None  # no file
+    rc = _netrc(tmp_path / "rc", "api.wandb.ai")
+    assert wandb_credentials({"NETRC": str(rc)}) == str(rc)
+    # another server: its host's entry counts, api.wandb.ai's does not
+    assert wandb_credentials({"NETRC": str(rc), "WANDB_BASE_URL": "https://wandb.corp.example"}) is None
+    corp = _netrc(tmp_path / "corp", "wandb.corp.example")
+    assert wandb_credentials({"NETRC": str(corp), "WANDB_BASE_URL": "https://wandb.corp.example"}) == str(
+        corp
+    )
+    (tmp_path / "bad").write_text("machine\n")  # malformed: no key from it, and no crash
+    assert wandb_credentials({"NETRC": str(tmp_path / "bad")}) is None
+
+
+def test_a_wandb_run_without_a_key_logs_offline_instead_of_failing(tmp_path):
+    none = str(tmp_path / "no-netrc")
+    env = {"NETRC": none}
+    line = settle_wandb_mode("wandb", tmp_path / "run", env)
+    assert env["WANDB_MODE"] == "offline"
+    assert str(tmp_path / "run" / "wandb") in line and "wandb sync" in line and "WANDB_MODE=online" in line
+    for kind, given in [
+        ("none", {"NETRC": none}),  # no W&B at all
+        ("wandb", {"NETRC": none, "WANDB_MODE": "online"}),  # the user's choice stays
+        ("wandb", {"NETRC": none, "WANDB_API_KEY": "k"}),  # a key: online, as wandb would
+    ]:
+        before = dict(given)
+        assert settle_wandb_mode(kind, tmp_path, given) is None and given == before
