@@ -9,7 +9,7 @@ packed bf16 product (`weight_layout=auto` here), both in bf16:
    in the loop (a fixed cache stays in the CPU's caches and flatters both), median ms after a warm-up
    whose seconds (the first compilations) are printed; `TORCH_LOGS=recompiles` names every later one;
 2. in the loop: `tree@auto` on `--prompts` prompts, one untimed pass over all of them first (compilation
-   there, not in the timed passes), then `--repeats` interleaved passes summed in bench_decode's `Split`:
+   there, not in the timed passes), then bench_decode's `interleave` (`--repeats` passes) and `Split`:
    tokens/s (end to end, the median of the passes), tokens per iteration and drafter ms per call (the
    decoding phase, prefill excluded). Session 31's figures summed all passes, prefill included.
 """
@@ -83,6 +83,8 @@ def loop_ab(args, model, tok, eos, drafters: dict, meta: dict) -> None:
             str(args.prompts),
             "--drafter",
             args.drafter,
+            "--repeats",
+            str(args.repeats),
         ]
     )
     prompts = bd.load_prompts(ns, tok)
@@ -96,17 +98,7 @@ def loop_ab(args, model, tok, eos, drafters: dict, meta: dict) -> None:
         for i, p in enumerate(prompts):
             dec.generate(p, seed=i)
         print(f"untimed pass, {name}: {time.perf_counter() - start:.1f} s", flush=True)
-    splits = {name: bd.Split() for name in decs}
-    for _ in range(args.repeats):
-        totals = {name: [0, 0.0] for name in decs}
-        for i, p in enumerate(prompts):
-            for name, dec in decs.items():
-                g = dec.generate(p, seed=i)
-                splits[name].add(g)
-                totals[name][0] += len(g.tokens)
-                totals[name][1] += g.seconds
-        for name, (n, sec) in totals.items():
-            splits[name].runs.append((n, sec))
+    splits = {name: split for (_, name), split in bd.interleave({"bfloat16": decs}, ns, prompts).items()}
     print("| drafter | tokens / s (median) | tokens / iteration | drafter ms / call |\n|---|---|---|---|")
     for name, s in splits.items():
         print(
