@@ -52,6 +52,7 @@ from .manifest import (
     tokenizer_hash,
     write_manifest,
 )
+from .repeats import cut_at_repeat
 from .target import FeatureTarget
 from .world import World
 
@@ -78,6 +79,9 @@ class CaptureConfig:
     max_gb: float | None = None
     max_rows: int | None = None
     on_bad_row: str = "error"
+    # > 0: each row is cut where its answer first repeats a cut_repeats-token span (data/repeats.py) before
+    # capture, so that max_rows (and max_gb) count the tokens training keeps; 0: whole rows
+    cut_repeats: int = 0
 
     def __post_init__(self):
         if self.dtype not in FEATURE_DTYPES:
@@ -88,6 +92,10 @@ class CaptureConfig:
             raise ValueError(f"capture.max_gb must be positive, got {self.max_gb}")
         if self.max_rows is not None and self.max_rows < 1:
             raise ValueError(f"capture.max_rows must be >= 1, got {self.max_rows}")
+        if self.cut_repeats < 0:
+            raise ValueError(
+                f"capture.cut_repeats must be 0 (off) or a span length >= 1, got {self.cut_repeats}"
+            )
         RowPolicy(self.on_bad_row)  # validates the value
 
 
@@ -96,8 +104,9 @@ class CapturePlan:
     """The valid rows (indices into the input) and their token counts after truncation."""
 
     indices: list[int] = field(default_factory=list)
-    lengths: list[int] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)  # after truncation and the cut (cfg.cut_repeats)
     truncated: int = 0
+    cut: int = 0  # rows cut where their answer starts to repeat
 
     @property
     def num_tokens(self) -> int:
@@ -141,7 +150,8 @@ def _validate_row(row: Any, index: int, source: str, vocab_size: int) -> int:
 
 def plan_capture(rows: Sequence[Mapping], cfg: CaptureConfig, vocab_size: int, source: str) -> CapturePlan:
     """Validates every row (bad ones raise or are skipped and counted, per cfg.on_bad_row), truncates to
-    cfg.max_length and stops after cfg.max_rows valid rows."""
+    cfg.max_length, cuts where the answer first repeats (cfg.cut_repeats > 0) and stops after cfg.max_rows
+    valid rows."""
     policy, plan = RowPolicy(cfg.on_bad_row), CapturePlan()
     for index in tqdm(range(len(rows)), desc="check rows", unit="row", leave=False):
         if cfg.max_rows is not None and len(plan.indices) == cfg.max_rows:
@@ -151,9 +161,15 @@ def plan_capture(rows: Sequence[Mapping], cfg: CaptureConfig, vocab_size: int, s
         except BadInputError as err:
             policy.bad(err)
             continue
-        plan.indices.append(index)
-        plan.lengths.append(min(length, cfg.max_length))
+        keep = min(length, cfg.max_length)
         plan.truncated += length > cfg.max_length
+        if cfg.cut_repeats:
+            row = rows[index]
+            cut = cut_at_repeat(row["input_ids"][:keep], row["loss_mask"][:keep], cfg.cut_repeats)
+            plan.cut += cut < keep
+            keep = cut
+        plan.indices.append(index)
+        plan.lengths.append(keep)
     if policy.total_skipped:
         log.info(f"capture: {policy.summary()}")
     return plan
@@ -167,7 +183,12 @@ def check_size(plan: CapturePlan, target: FeatureTarget, cfg: CaptureConfig) -> 
     log.info(
         f"capture: {len(plan.indices)} rows, {plan.num_tokens} tokens x ({layers} layers + final) x "
         f"{target.hidden_size} x {itemsize} B = {total / GB:.3f} GB ({plan.truncated} rows truncated to "
-        f"{cfg.max_length} tokens)"
+        f"{cfg.max_length} tokens"
+        + (
+            f", {plan.cut} cut where their answer repeats a {cfg.cut_repeats}-token span)"
+            if cfg.cut_repeats
+            else ")"
+        )
     )
     if cfg.max_gb is not None and total > cfg.max_gb * GB:
         fit = sum(1 for tokens in itertools.accumulate(plan.lengths) if tokens * per_token <= cfg.max_gb * GB)
@@ -179,14 +200,15 @@ def check_size(plan: CapturePlan, target: FeatureTarget, cfg: CaptureConfig) -> 
     return total
 
 
-Rows = dict[int, tuple[list[int], list[int]]]  # input index -> (input_ids, loss_mask), truncated
+Rows = dict[int, tuple[list[int], list[int]]]  # input index -> (input_ids, loss_mask), truncated and cut
 ShardPlan = tuple[Path, Rows, str]  # (shard file, its rows, fingerprint of settings + rows)
 
 
-def _load_rows(rows: Sequence[Mapping], indices: list[int], max_length: int) -> Rows:
-    """Reads one shard's rows once (a datasets.Dataset decodes on every access) and truncates them."""
+def _load_rows(rows: Sequence[Mapping], indices: list[int], lengths: list[int]) -> Rows:
+    """Reads one shard's rows once (a datasets.Dataset decodes on every access), each cut to its planned
+    length (`plan_capture`)."""
     return {
-        i: (list(rows[i]["input_ids"][:max_length]), list(rows[i]["loss_mask"][:max_length])) for i in indices
+        i: (list(rows[i]["input_ids"][:n]), list(rows[i]["loss_mask"][:n])) for i, n in zip(indices, lengths)
     }
 
 
@@ -252,6 +274,7 @@ def capture_features(
         dtype=cfg.dtype,
         max_length=cfg.max_length,
         hidden_size=target.hidden_size,
+        cut_repeats=cfg.cut_repeats,
     )
     if tokens_manifest is not None:
         check(
@@ -271,6 +294,8 @@ def capture_features(
     if not plan.indices:
         raise BadInputError(source, None, None, "no valid rows to capture")
     identity = {name: getattr(expected, name) for name in (*IDENTITY_FIELDS, "hidden_size")}
+    if cfg.cut_repeats:  # only then: the shards of whole rows keep the fingerprints they were written with
+        identity["cut_repeats"] = cfg.cut_repeats
     if (out_dir / MANIFEST_NAME).is_file():
         return _already_complete(out_dir, expected, rows, plan, cfg, identity)
     check_size(plan, target, cfg)
@@ -299,7 +324,8 @@ def _shard_plan(
     """Yields (shard path, its rows, its fingerprint) in order; shard s holds valid rows s*shard_rows...."""
     for s in range(0, len(plan.indices), cfg.shard_rows):
         path = out_dir / _shard_name(s // cfg.shard_rows)
-        shard = _load_rows(rows, plan.indices[s : s + cfg.shard_rows], cfg.max_length)
+        part = slice(s, s + cfg.shard_rows)
+        shard = _load_rows(rows, plan.indices[part], plan.lengths[part])
         yield path, shard, _fingerprint({**identity, "shard": path.name}, shard)
 
 
@@ -363,7 +389,7 @@ def _already_complete(
     """A finished capture: refuse one made differently (settings and counts via the manifest, rows via the
     shard fingerprints, without re-hashing whole files); otherwise there is nothing to do."""
     found, where = read_manifest(out_dir), str(out_dir / MANIFEST_NAME)
-    wanted = {name: getattr(expected, name) for name in IDENTITY_FIELDS}
+    wanted = {name: getattr(expected, name) for name in (*IDENTITY_FIELDS, "cut_repeats")}
     check(found, {**wanted, "num_samples": len(plan.indices), "num_tokens": plan.num_tokens}, where=where)
     planned = [_shard_name(s) for s in range(math.ceil(len(plan.indices) / cfg.shard_rows))]
     if [shard.file for shard in found.shards] != planned:

@@ -63,6 +63,7 @@ class Manifest:
     chat_template_hash: str | None = None
     layer_ids: list[int] = field(default_factory=list)
     hidden_size: int | None = None
+    cut_repeats: int = 0  # features: answers cut where they first repeat an n-token span (0: whole rows)
     num_samples: int = 0
     num_tokens: int = 0
     shards: list[ShardInfo] = field(default_factory=list)
@@ -99,6 +100,7 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "dtype": (str,),
     "max_length": (int,),
     "hidden_size": (int, type(None)),
+    "cut_repeats": (int,),  # absent from older manifests: read as 0
     "num_samples": (int,),
     "num_tokens": (int,),
     "shards": (list,),

@@ -212,3 +212,62 @@ def test_a_full_disk_leaves_no_half_written_shard_and_a_rerun_resumes(
     capture_features(target, rows, out, cfg, tokenizer=tokenizer)
     fresh = capture_features(target, rows, tmp_path / "fresh", cfg, tokenizer=tokenizer)
     assert read_manifest(out).shards == read_manifest(fresh).shards
+
+
+def test_cut_repeats_captures_rows_cut_where_their_answers_repeat(tmp_path, target, tokenizer, caplog):
+    """capture.cut_repeats=n stores each row as data/repeats.cut_at_repeat keeps it (the same tokens training's
+    cut_repeats would keep), max_rows counts those rows, the manifest names n and a cache of whole rows is
+    refused for it (and the other way round), naming the field."""
+    from specblock.data.repeats import cut_at_repeat
+
+    caplog.set_level(logging.INFO, logger="specblock")
+    rows = make_rows(5, max_len=12)
+    rows[1] = {
+        "input_ids": [7, 8, 9, 3, 4, 3, 4, 3, 4, 5],
+        "loss_mask": [0, 0, 0] + [1] * 7,
+    }  # "3 4" again at 6
+    rows[3] = {"input_ids": [1, 2] + [5] * 20, "loss_mask": [0, 0] + [1] * 20}  # truncated, then cut
+    cfg = CaptureConfig(max_length=16, batch_size=2, shard_rows=2, cut_repeats=2, max_rows=4)
+    out = capture_features(target, rows, tmp_path / "cut", cfg, tokenizer=tokenizer)
+    manifest = read_manifest(out)
+    stored = [row for shard in manifest.shards for row in load_feature_rows(out / shard.file)]
+    assert [r["row_index"] for r in stored] == [0, 1, 2, 3]  # max_rows: 4 rows, cut
+    for row, r in zip(rows, stored):
+        ids, mask = row["input_ids"][:16], row["loss_mask"][:16]
+        keep = cut_at_repeat(ids, mask, 2)
+        assert r["input_ids"].tolist() == ids[:keep] and len(r["features"]) == keep
+        assert cut_at_repeat(r["input_ids"].tolist(), r["loss_mask"].long().tolist(), 2) == keep  # idempotent
+    assert len(stored[1]["input_ids"]) == 6 and len(stored[3]["input_ids"]) == 4
+    assert manifest.cut_repeats == 2 and manifest.num_tokens == sum(len(r["input_ids"]) for r in stored)
+    assert "cut where their answer repeats a 2-token span" in caplog.text
+    alone = target(stored[1]["input_ids"][None])  # features of the cut row itself
+    torch.testing.assert_close(stored[1]["features"].float(), alone.features[0], atol=2e-2, rtol=2e-2)
+    capture_features(target, rows, out, cfg, tokenizer=tokenizer)  # complete: nothing to do
+    with pytest.raises(ManifestMismatchError, match="cut_repeats: expected 0 vs found 2"):
+        capture_features(target, rows, out, replace(cfg, cut_repeats=0), tokenizer=tokenizer)
+    whole = capture_features(
+        target, rows, tmp_path / "whole", replace(cfg, cut_repeats=0), tokenizer=tokenizer
+    )
+    with pytest.raises(ManifestMismatchError, match="cut_repeats: expected 2 vs found 0"):
+        capture_features(target, rows, whole, cfg, tokenizer=tokenizer)
+    with pytest.raises(ValueError, match="cut_repeats"):
+        CaptureConfig(cut_repeats=-1)
+
+
+def test_a_manifest_without_cut_repeats_reads_as_whole_rows(tmp_path, target, tokenizer):
+    """Caches written before capture.cut_repeats existed (no such manifest field) stay valid: read as 0, and
+    their shards' fingerprints are the ones a whole-row capture computes today."""
+    import json
+
+    rows, cfg = make_rows(4), CaptureConfig(batch_size=2, shard_rows=2)
+    out = capture_features(target, rows, tmp_path / "old", cfg, tokenizer=tokenizer)
+    path = out / "manifest.json"
+    raw = json.loads(path.read_text())
+    del raw["cut_repeats"]
+    path.write_text(json.dumps(raw))
+    assert read_manifest(out).cut_repeats == 0
+    capture_features(target, rows, out, cfg, tokenizer=tokenizer)  # accepted as complete
+    (out / "manifest.json").unlink()  # resume path: every shard's fingerprint is checked, none recaptured
+    before = {p.name: sha256_file(p) for p in out.glob("features-*.safetensors")}
+    capture_features(target, rows, out, cfg, tokenizer=tokenizer)
+    assert {p.name: sha256_file(p) for p in out.glob("features-*.safetensors")} == before
