@@ -156,15 +156,15 @@ def plan_capture(rows: Sequence[Mapping], cfg: CaptureConfig, vocab_size: int, s
     for index in tqdm(range(len(rows)), desc="check rows", unit="row", leave=False):
         if cfg.max_rows is not None and len(plan.indices) == cfg.max_rows:
             break
+        row = rows[index]  # once: a datasets.Dataset decodes on every access
         try:
-            length = _validate_row(rows[index], index, source, vocab_size)
+            length = _validate_row(row, index, source, vocab_size)
         except BadInputError as err:
             policy.bad(err)
             continue
         keep = min(length, cfg.max_length)
         plan.truncated += length > cfg.max_length
         if cfg.cut_repeats:
-            row = rows[index]
             cut = cut_at_repeat(row["input_ids"][:keep], row["loss_mask"][:keep], cfg.cut_repeats)
             plan.cut += cut < keep
             keep = cut
