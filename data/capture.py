@@ -52,7 +52,7 @@ from .manifest import (
     tokenizer_hash,
     write_manifest,
 )
-from .repeats import cut_at_repeat
+from .repeats import check_cut_repeats, cut_at_repeat
 from .target import FeatureTarget
 from .world import World
 
@@ -92,10 +92,7 @@ class CaptureConfig:
             raise ValueError(f"capture.max_gb must be positive, got {self.max_gb}")
         if self.max_rows is not None and self.max_rows < 1:
             raise ValueError(f"capture.max_rows must be >= 1, got {self.max_rows}")
-        if self.cut_repeats < 0:
-            raise ValueError(
-                f"capture.cut_repeats must be 0 (off) or a span length >= 1, got {self.cut_repeats}"
-            )
+        check_cut_repeats(self.cut_repeats, "capture.cut_repeats")
         RowPolicy(self.on_bad_row)  # validates the value
 
 

@@ -15,6 +15,12 @@ from typing import Any, Mapping, Sequence
 import torch
 
 
+def check_cut_repeats(n: int, setting: str) -> None:
+    """Refuses a cut_repeats setting (named `setting` in the error) other than 0 (off) or a span length."""
+    if n < 0:
+        raise ValueError(f"{setting} must be 0 (off) or a span length >= 1, got {n}")
+
+
 def cut_at_repeat(input_ids: Sequence[int], loss_mask: Sequence[int], n: int) -> int:
     """The length to keep: the row up to (not including) the first answer token that completes an n-token
     span seen before inside the answer (spans start at the first answer token, loss_mask 1); the whole row

@@ -9,6 +9,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from specblock.data.config import PrepareConfig
+from specblock.data.repeats import check_cut_repeats
 
 from .distill import StrategyConfig
 from .drafters import train_spec
@@ -78,8 +79,7 @@ class TrainConfig:
             raise ValueError("trainer.eval_every > 0 needs a held-out split: set validation.fraction > 0")
         if self.init_layers not in INIT_LAYERS:
             raise ValueError(f"init_layers={self.init_layers!r} is not one of {INIT_LAYERS}")
-        if self.cut_repeats < 0:
-            raise ValueError(f"cut_repeats must be 0 (off) or a span length >= 1, got {self.cut_repeats}")
+        check_cut_repeats(self.cut_repeats, "cut_repeats")
         if self.init_layers != "random" and self.init_from:
             raise ValueError(
                 f"init_from={self.init_from!r} sets every weight of the drafter; init_layers="
