@@ -57,12 +57,19 @@ from .strategy import DrafterStrategy
 from .tracking import TRACKERS, NullTracker, headline, log0, make_tracker
 from .validation import Validator, write_best
 
+_clock = time.perf_counter  # what the steps are timed with (a test's fake clock replaces it)
+
 
 @dataclass
 class TrainerConfig:
     output_dir: str
     max_steps: int | None = None  # optimizer steps; exactly one of max_steps / epochs
     epochs: float | None = None
+    # A wall-clock budget (Lightning's max_time): the run stops, saves and exports after the first step at
+    # which its optimizer steps have taken this many minutes over every session of the run
+    # (`TrainProgress.train_ms`: validation, saves and the data stage not counted); 0: no budget. The LR
+    # schedule and the curriculum still follow max_steps / epochs (size them from the projection it logs).
+    max_minutes: float = 0.0
     micro_batch_size: int = 8  # per rank
     grad_accum: int = 1
     seed: int = 0
@@ -97,6 +104,8 @@ class TrainerConfig:
             raise ValueError(
                 "save_every, keep_last, keep_every, num_workers and group_by_length must be >= 0"
             )
+        if not self.max_minutes >= 0:
+            raise ValueError(f"max_minutes must be >= 0 (0: no budget), got {self.max_minutes}")
         if self.eval_every < 0 or self.best_mode not in ("max", "min"):
             raise ValueError(
                 f"eval_every must be >= 0 and best_mode max|min, got {self.eval_every}, {self.best_mode}"
@@ -239,7 +248,7 @@ def _step_counts(
 
 def _train_step(run: _Run, strategy: DrafterStrategy, window: MetricWindow) -> None:
     """One optimizer update over `grad_accum` micro-batches (the loss contract: `strategy.py`)."""
-    acc, progress, start = run.accelerator, run.progress, time.perf_counter()
+    acc, progress, start = run.accelerator, run.progress, _clock()
     micro = _draw(run)
     ahead = _counts_ahead(run, strategy, micro)
     tokens = sum(float(strategy.num_tokens(b)) for b, _ in micro)
@@ -265,7 +274,28 @@ def _train_step(run: _Run, strategy: DrafterStrategy, window: MetricWindow) -> N
     window.add_step(n_tokens, float(grad_norm) if grad_norm is not None else math.nan, lr)
     progress.step += 1
     progress.tokens += int(n_tokens)
-    progress.train_ms += round(1000 * (time.perf_counter() - start))
+    progress.train_ms += round(1000 * (_clock() - start))
+
+
+def _budget_spent(run: _Run) -> bool:
+    """Whether `cfg.max_minutes` of optimizer steps are spent; the same answer on every rank (each
+    times its own steps: the slowest rank decides, so no rank stops while another waits in a collective)."""
+    if not run.cfg.max_minutes:
+        return False
+    spent = torch.tensor([float(run.progress.train_ms)], device=run.accelerator.device)
+    return float(run.accelerator.reduce(spent, reduction="max")) >= run.cfg.max_minutes * 60_000
+
+
+def _budget_line(run: _Run) -> str:
+    """Where the wall-clock budget stands and how many steps it allows at the run's mean step time."""
+    used, step = run.progress.train_ms / 60_000, run.progress.step
+    line = f"budget: {used:.1f} of {run.cfg.max_minutes:g} min"
+    if step:
+        fit = min(
+            run.total_steps, step + int((run.cfg.max_minutes - used) * 60_000 * step / run.progress.train_ms)
+        )
+        line += f", {run.progress.train_ms / 1000 / step:.2f} s a step: ~{fit} of {run.total_steps} steps fit"
+    return line
 
 
 def _log_metrics(run: _Run, window: MetricWindow) -> dict[str, float]:
@@ -280,9 +310,15 @@ def _log_metrics(run: _Run, window: MetricWindow) -> dict[str, float]:
 
 
 def _loop(run: _Run, strategy: DrafterStrategy, tracker, validation: Validator | None) -> dict[str, float]:
-    """Steps until `total_steps`, logging every `log_every`, validating every `eval_every` and saving
-    every `save_every`, at a new best validation result and at the end."""
+    """Steps until `total_steps` (or `cfg.max_minutes`), logging every `log_every`, validating every
+    `eval_every` and saving every `save_every`, at a new best validation result and at the end."""
     cfg, metrics = run.cfg, {}
+    if _budget_spent(run):
+        log0(
+            f"trainer.max_minutes={cfg.max_minutes:g} is spent at step {run.progress.step} ({_budget_line(run)}): "
+            "no step trained; raise trainer.max_minutes to continue"
+        )
+        return metrics
     window = MetricWindow(run.accelerator.device)
     bar = tqdm(
         total=run.total_steps,
@@ -295,6 +331,12 @@ def _loop(run: _Run, strategy: DrafterStrategy, tracker, validation: Validator |
             strategy.module.train()
             _train_step(run, strategy, window)
             step, last = run.progress.step, run.progress.step == run.total_steps
+            if not last and _budget_spent(run):
+                log0(
+                    f"step {step}: trainer.max_minutes={cfg.max_minutes:g} reached ({_budget_line(run)}); "
+                    "stopping here (the checkpoint of this step is saved and exported)"
+                )
+                last = True
             bar.update()
             if step % cfg.log_every == 0 or last:
                 metrics = _log_metrics(run, window)
@@ -303,6 +345,7 @@ def _loop(run: _Run, strategy: DrafterStrategy, tracker, validation: Validator |
                 log0(
                     f"step {step}: loss {metrics['train/loss']:.4f}, lr {metrics['train/lr']:.2e}, "
                     f"{metrics['train/tokens_per_s']:.0f} tok/s, {headline(metrics, 'train/')}"
+                    + (f"; {_budget_line(run)}" if cfg.max_minutes else "")
                 )  # the console and the job's log file (every metric goes to the tracker)
                 window = MetricWindow(run.accelerator.device)
             best = False
@@ -323,6 +366,8 @@ def _loop(run: _Run, strategy: DrafterStrategy, tracker, validation: Validator |
                 )
                 if best and run.accelerator.is_main_process:
                     write_best(cfg.output_dir, validation.best, cfg.best_metric, folder)
+            if last:
+                break
     return metrics
 
 

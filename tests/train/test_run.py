@@ -21,6 +21,7 @@ from specblock.data.corpora import CorpusConfig
 from specblock.data.regenerate import RegenerateConfig
 from specblock.data.target import TargetConfig
 from specblock.train import run as run_mod
+from specblock.train.checkpoint import read_model_state
 from specblock.train.config import TrainConfig, ValidationConfig, register_configs, saved_run_config
 from specblock.train.drafters import train_spec
 from specblock.train.export import load_drafter
@@ -140,6 +141,27 @@ def test_train_export_reload_and_exact_resume(make_cfg, monkeypatch):
     export_main(["--run", cfg.output_dir, "--step", "step_000003", "--out", cfg.output_dir + "/at3"])
     at3, _ = load_drafter(cfg.output_dir + "/at3")
     assert not torch.equal(at3.state_dict()["condition_proj.weight"], reference["condition_proj.weight"])
+
+
+def test_a_run_stopped_by_its_minute_budget_exports_the_step_it_reached(make_cfg, monkeypatch):
+    """trainer.max_minutes (here through the Hydra override) ends the run early, saved and exported."""
+    from specblock.train import trainer as trainer_mod
+
+    now = [0.0]
+
+    def clock():  # 20 s a step: start and end of each step 20 s apart
+        now[0] += 20.0
+        return now[0]
+
+    monkeypatch.setattr(trainer_mod, "_clock", clock)
+    assert compose_train("experiment=debug", "trainer.max_minutes=0.9")["trainer"]["max_minutes"] == 0.9
+    cfg = make_cfg(max_minutes=0.9)  # 0.9 min = 54 s: stops after step 3 (60 s) of 6
+    metrics = run_mod.train(cfg)
+    assert metrics["step"] == 3
+    assert "- steps: 3" in (Path(cfg.output_dir) / "drafter" / "README.md").read_text()
+    exported, _ = load_drafter(cfg.output_dir + "/drafter")
+    saved = read_model_state(Path(cfg.trainer.output_dir) / "step_000003")
+    assert all(torch.equal(v, saved[k]) for k, v in exported.state_dict().items())
 
 
 @pytest.mark.parametrize("name,features", [("eagle3", "online"), ("specblock", "offline")])

@@ -84,6 +84,8 @@ def test_optim_config_rejects(bad):
         dict(max_steps=2, mixed_precision="fp8"),
         dict(max_steps=2, logger="tensorboard"),
         dict(max_steps=2, grad_accum=0),
+        dict(max_steps=2, max_minutes=-1.0),
+        dict(max_steps=2, max_minutes=float("nan")),
     ],
 )
 def test_trainer_config_rejects(bad, tmp_path):
@@ -178,6 +180,49 @@ def test_resume_is_bit_exact(tmp_path):
     final, expected = params(resumed.module), params(full.module)
     assert all(torch.equal(final[k], expected[k]) for k in expected)
     assert [p.name for p in ckpt.list_checkpoints(out)] == ["step_000006", "step_000009"]
+
+
+def test_max_minutes_stops_saves_and_resumes_bit_exact(tmp_path, monkeypatch, caplog):
+    """A fake clock makes every step last 30 s: a 1.25-minute budget stops after step 3 (1.5 min) with
+    its checkpoint saved; a resume with the same budget trains nothing; a larger one goes on as if the
+    run had never stopped (the LR schedule follows max_steps, not the budget)."""
+    from specblock.train import trainer
+
+    now = [0.0]
+
+    def clock():  # _train_step reads it twice a step: start and end, 30 s apart
+        now[0] += 30.0
+        return now[0]
+
+    full = tiny.TinyStrategy(dropout=0.1)
+    fit(full, tiny.make_dataset(), tiny.collate, tiny.tiny_config(tmp_path / "full", save_every=0))
+
+    monkeypatch.setattr(trainer, "_clock", clock)
+    caplog.set_level(logging.INFO, logger="specblock.train")
+    out = tmp_path / "budget"
+    stopped = tiny.TinyStrategy(dropout=0.1)
+    metrics = fit(stopped, tiny.make_dataset(), tiny.collate, tiny.tiny_config(out, max_minutes=1.25))
+    assert metrics["step"] == 3 and "train/loss" in metrics
+    assert stopped.losses == full.losses[:6]  # 3 steps x 2 micro-batches
+    assert [p.name for p in ckpt.list_checkpoints(out)] == ["step_000002", "step_000003"]
+    assert ckpt.read_meta(out / "step_000003")["train_ms"] == 90_000
+    assert any("max_minutes=1.25 reached" in r.getMessage() for r in caplog.records)
+
+    caplog.clear()
+    idle = tiny.TinyStrategy(dropout=0.1)
+    metrics = fit(
+        idle, tiny.make_dataset(), tiny.collate, tiny.tiny_config(out, max_minutes=1.25, resume="latest")
+    )
+    assert metrics["step"] == 3 and idle.losses == []
+    assert any("is spent at step 3" in r.getMessage() for r in caplog.records)
+
+    resumed = tiny.TinyStrategy(dropout=0.1, seed=99)
+    metrics = fit(
+        resumed, tiny.make_dataset(), tiny.collate, tiny.tiny_config(out, max_minutes=10, resume="latest")
+    )
+    assert metrics["step"] == 6 and resumed.losses == full.losses[6:]
+    final, expected = params(resumed.module), params(full.module)
+    assert all(torch.equal(final[k], expected[k]) for k in expected)
 
 
 def test_milestone_checkpoints_survive_pruning(tmp_path):
