@@ -29,7 +29,7 @@ import torch
 from filelock import FileLock
 
 from .io import atomic_path
-from .packed import PACKED_DTYPES, pack_linears, packable_dtypes, unpack_linears
+from .packed import PACKED_DTYPES, TRANSPOSED_DTYPES, pack_linears, packable_dtypes, unpack_linears
 
 log = logging.getLogger(__name__)
 
@@ -141,13 +141,19 @@ def bf16_matmul_pays() -> bool:
 # has a packed product too (oneDNN's, data/packed.py), and a CPU may gain in one precision and lose in the
 # other (the AMD EPYC of sessions 17-19: float32 packed 31 % slower, bf16 packed 18 % faster per decoding
 # step), so `auto` measures each precision on its own and packs only where it pays: "packed-float32" or
-# "packed-bfloat16" pack one precision, "packed" both.
-WEIGHT_LAYOUTS = ("row", "column", "packed", "packed-float32", "packed-bfloat16")
+# "packed-bfloat16" pack one precision, "packed" both. Session 38: "transposed" (data/packed.py) multiplies
+# float32 as (W x^T)^T, which on the AVX2-only EPYC of sessions 33-38 makes a 4-token forward 1.8x faster
+# (1.1x a one-token step); float32 takes one kernel (row-major, packed or transposed), bf16 packs or not, so
+# "transposed+packed-bfloat16" is the one combination with both.
+WEIGHT_LAYOUTS = (
+    "row", "column", "packed", "packed-float32", "packed-bfloat16", "transposed", "transposed+packed-bfloat16"
+)  # fmt: skip
 # what `auto` weighs; column-major is a manual choice (docs/measured/main_job.md, session 15)
-AUTO_LAYOUTS = ("row", "packed")
+AUTO_LAYOUTS = ("row", "packed", "transposed")
 LAYOUT_ROWS = (4, 8)  # rows of a small tree's or chain's products (1-3 rows take the plain product anyway)
 BF16_LAYOUT_ROWS = (1, 4, 8)  # bf16 packs one-token steps too (data/packed.py)
-LAYOUT_FILES = {"float32": "linear_layouts.json", "bfloat16": "linear_layouts_bfloat16.json"}
+# float32's file is new in session 38 (its probe weighs the transposed product too; the old file's did not)
+LAYOUT_FILES = {"float32": "linear_layouts_float32.json", "bfloat16": "linear_layouts_bfloat16.json"}
 # [in, out] of a SmolLM2-sized layer's seven linears (q, k, v, o, gate, up, down), LAYOUT_LAYERS of them,
 # then its LM head: 450 MB of float32 weights, more than a server CPU's last-level cache (260 MB on the
 # session-15 Xeon), as a decoding step's are.
@@ -168,8 +174,9 @@ def layout_ms(
 ) -> dict[str, float]:
     """The fastest ms of the small products of a decoding step (every `rows` through `layers` x `shapes`,
     then `head`, in `dtype`) in each of `layouts` this build has (`alternating_ms`; a packed layout only
-    where it packs `dtype`). They share the weights where they can (row-major and packed: packed adds its
-    copy; column-major has its own)."""
+    where it packs `dtype`, the transposed one in float32, a combination never: in each precision it is one of
+    the others). They share the weights where they can (row-major and packed: packed adds its copy;
+    column-major has its own)."""
     gen = torch.Generator().manual_seed(0)
     weights = [
         (torch.randn(n_out, n_in, generator=gen) * 0.02).to(dtype)
@@ -184,6 +191,8 @@ def layout_ms(
     for name in layouts:
         if name.startswith("packed") and (packs is None or layout_dtypes(name) not in (None, [packs])):
             continue
+        if "+" in name or (name == "transposed" and dtype not in TRANSPOSED_DTYPES.values()):
+            continue  # in this precision one of the layouts above (a combination is, in each)
         linears = [torch.nn.Linear(w.shape[1], w.shape[0], bias=False) for w in weights]
         for lin, w in zip(linears, weights):
             lin.weight = torch.nn.Parameter(w, requires_grad=False)  # set_weight_layout copies where it must
@@ -202,17 +211,28 @@ def layout_ms(
 
 @functools.cache
 def fastest_layout() -> str:
-    """The weight layout whose decoding-step products are fastest on this CPU: for each precision with a
-    packed kernel, row-major against packed (`layout_ms`; bf16 over one-token steps too), measured once per
-    machine and kept; "packed" where both precisions gain, "packed-<dtype>" where one does, else "row"."""
-    faster = []
-    for name in packable_dtypes():
-        rows = BF16_LAYOUT_ROWS if name == "bfloat16" else LAYOUT_ROWS
-        probe = functools.partial(layout_ms, rows=rows, dtype=PACKED_DTYPES[name])
-        ms = measured(LAYOUT_FILES[name], probe)
-        if ms.get("packed", math.inf) < ms["row"]:
-            faster.append(name)
-    return packed_layout(faster)
+    """The weight layout whose decoding-step products are fastest on this CPU, measured once per machine and
+    kept: float32's kernel the fastest of row-major, packed (where the build has MKL's) and transposed
+    (`layout_ms`), bf16 packed where that is faster than row-major (over one-token steps too; where oneDNN
+    packs bf16); named by `layout_name`."""
+    have = packable_dtypes()
+    fp32 = measured(
+        LAYOUT_FILES["float32"], functools.partial(layout_ms, rows=LAYOUT_ROWS, dtype=torch.float32)
+    )
+    kernels = [k for k in AUTO_LAYOUTS if k in fp32 and (k != "packed" or "float32" in have)]
+    bf16 = False
+    if "bfloat16" in have:
+        probe = functools.partial(layout_ms, rows=BF16_LAYOUT_ROWS, dtype=torch.bfloat16)
+        ms = measured(LAYOUT_FILES["bfloat16"], probe)
+        bf16 = ms.get("packed", math.inf) < ms["row"]
+    return layout_name(min(kernels, key=fp32.get), bf16)
+
+
+def layout_name(fp32: str, bf16_packed: bool) -> str:
+    """The layout with float32 on `fp32` (row, packed or transposed) and bf16 packed or row-major."""
+    if fp32 == "transposed":
+        return "transposed+packed-bfloat16" if bf16_packed else "transposed"
+    return packed_layout(["float32"] * (fp32 == "packed") + ["bfloat16"] * bf16_packed)
 
 
 def packed_layout(dtypes: list[str]) -> str:
@@ -223,10 +243,15 @@ def packed_layout(dtypes: list[str]) -> str:
 
 
 def layout_dtypes(layout: str) -> list[str] | None:
-    """The precisions a packed layout packs (None: every one this build has a kernel for); [] otherwise."""
+    """The precisions a layout packs (None: every one this build has a kernel for); [] for none."""
     if layout == "packed":
         return None
-    return [layout.removeprefix("packed-")] if layout.startswith("packed-") else []
+    return [part.removeprefix("packed-") for part in layout.split("+") if part.startswith("packed-")]
+
+
+def layout_transposes(layout: str) -> list[str]:
+    """The precisions a layout multiplies by the transposed product (data/packed.py)."""
+    return list(TRANSPOSED_DTYPES) if layout.split("+")[0] == "transposed" else []
 
 
 def auto_layout(device: str) -> str:
@@ -236,7 +261,7 @@ def auto_layout(device: str) -> str:
 
 
 def resolve_layout(layout: str, device: str) -> str:
-    """A weight_layout setting (row, column, packed or auto) as the layout to store: auto per `auto_layout`."""
+    """A weight_layout setting (WEIGHT_LAYOUTS or auto) as the layout to store: auto per `auto_layout`."""
     return auto_layout(device) if layout == "auto" else layout
 
 
@@ -244,12 +269,13 @@ def set_weight_layout(module: torch.nn.Module, layout: str) -> int:
     """Stores every nn.Linear weight of `module` row-major ("row": [out, in] contiguous, as loaded),
     column-major ("column": weight.t() contiguous) or row-major with a packed copy its forward reads
     ("packed": in every precision with a packed kernel, "packed-float32" / "packed-bfloat16": in that one;
-    data/packed.py), in place: the same values, shapes and parameters (a tied embedding shares the new
-    storage). Returns the number of linears that changed."""
+    data/packed.py), row-major with float32 forwards on the transposed product ("transposed"; with bf16
+    packed too: "transposed+packed-bfloat16"), in place: the same values, shapes and parameters (a tied
+    embedding shares the new storage). Returns the number of linears that changed."""
     if layout not in WEIGHT_LAYOUTS:
         raise ValueError(f"weight_layout={layout!r}: expected {', '.join(WEIGHT_LAYOUTS)} (or auto)")
     column = layout == "column"
-    packed = layout.startswith("packed")
+    packed = layout.startswith(("packed", "transposed"))  # on PackedLinear's forward
     changed = 0 if packed else unpack_linears(module)  # packed again: keep the packed copies
     for mod in module.modules():
         if isinstance(mod, torch.nn.Linear) and mod.weight.dim() == 2:
@@ -259,5 +285,5 @@ def set_weight_layout(module: torch.nn.Module, layout: str) -> int:
             mod.weight.data = w.t().contiguous().t() if column else w.contiguous()
             changed += 1
     if packed:
-        changed += pack_linears(module, layout_dtypes(layout))
+        changed += pack_linears(module, layout_dtypes(layout), layout_transposes(layout))
     return changed

@@ -31,6 +31,20 @@ copy is made on the first forward and again whenever the weight changes (its sto
 costs the weight's size once more, and is never saved, copied or moved: a deep copy or a dtype change
 makes a new one, or none. Only a CPU forward without gradients takes the packed product: float32 over
 MIN_ROWS to MAX_ROWS rows, bfloat16 over 1 to MAX_ROWS rows; anything else is plain F.linear.
+
+The transposed product (`weight_layout=transposed`): float32 linears compute y = (W x^T)^T, the weight as
+the left operand, `torch.mm(w, x.t())` with x^T a view, no copy of anything but the [rows, out] result: the
+same product through another BLAS call (the operands swapped), which MKL serves far faster for a few rows on
+some CPUs. Measured on the AVX2-only AMD EPYC of
+sessions 33-38 (no packed bf16, float32 the only fast precision; 30 SmolLM2 layers' seven linears, 2
+threads, medians of 9): 1 / 2 / 4 / 8 / 16 / 32 / 64 rows in 29.5 / 46.7 / 78.2 / 95.4 / 119 / 174 / 284 ms
+through F.linear against 30.9 / 32.3 / 33.7 / 55.2 / 73.2 / 136 / 242 transposed (the 49k-row LM head over 4
+rows 32.6 against 7.6 ms); SmolLM2-135M after a 300-token cache, 1 / 2 / 4 / 8 tokens: 81 / 121 / 162 / 212
+ms row-major against 83 / 84 / 90 / 122 transposed: a 4-token forward costs 1.1x a one-token step instead of
+2x. From 512 rows on it is slower (a prefill's, a capture's), and one row is a matrix-vector product either
+way, so it takes TRANSPOSED_MIN_ROWS to TRANSPOSED_MAX_ROWS rows. Its results differ from F.linear's in the
+last bits (another summation order), as the packed product's do. `weight_layout=auto` measures it beside
+row-major and packed (data/hardware.py) and keeps it only where it is faster.
 """
 
 from __future__ import annotations
@@ -42,6 +56,9 @@ PACK_ROWS = 64  # the rows the packed layout is tuned for; any number of rows is
 MIN_ROWS = 4  # fewer rows take the plain product (measured: in the whole model it is faster for 1-3 rows)
 MAX_ROWS = 256  # more rows too: a prefill's or a capture's products (the LM head over 512 rows: 190 ms
 # packed against 170 plain; 64 rows: 18.7 against 24.9)
+TRANSPOSED_MIN_ROWS = 2  # one row: a matrix-vector product whichever operand comes first
+TRANSPOSED_MAX_ROWS = 128  # measured: 96 / 128 / 256 rows 17 / 5 / 5 % faster, 512 rows 3 % slower
+TRANSPOSED_DTYPES = {"float32": torch.float32}  # the dtypes the transposed product serves (module docstring)
 
 
 def packing_available() -> bool:
@@ -73,29 +90,44 @@ def packable_dtypes() -> list[str]:
     return [name for name in PACKED_DTYPES if have[name]]
 
 
+def transposed_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(x, w, bias) as (w x^T)^T (module docstring): x [..., in], w [out, in] -> [..., out]."""
+    rows = x.numel() // x.shape[-1]
+    y = torch.mm(w, x.reshape(rows, x.shape[-1]).t()).t().contiguous()
+    if bias is not None:
+        y.add_(bias)
+    return y.view(*x.shape[:-1], w.shape[0])
+
+
 def weight_key(w: torch.Tensor) -> tuple:
     """What a packed copy was made from: the weight's storage, version, shape and strides."""
     return (w.data_ptr(), w._version, w.shape, w.stride())
 
 
 class PackedLinear(torch.nn.Linear):
-    """nn.Linear whose CPU inference forward reads a packed copy of the weight, in the dtypes of `packs`
-    (module docstring)."""
+    """nn.Linear whose CPU inference forward reads a packed copy of the weight in the dtypes of `packs`, and
+    takes the transposed product in the dtypes of `transposes` (module docstring)."""
 
     _pack: torch.Tensor | None = None
     _pack_key: tuple | None = None
     packs: frozenset = frozenset()  # the dtypes it packs: pack_linears sets them per layer
+    transposes: frozenset = frozenset()  # the dtypes it multiplies as (W x^T)^T
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # a decoding forward calls this ~200 times: the parameters are read from the module's dict (not
         # through Module.__getattr__) and the tests cost a few attribute reads (~1 us against ~4 before)
         params = self._parameters
         w, bias, dtype = params["weight"], params["bias"], x.dtype
-        if dtype not in self.packs or dtype != w.dtype or not w.is_cpu:
+        packs = dtype in self.packs
+        if not (packs or dtype in self.transposes) or dtype != w.dtype or not w.is_cpu:
             return F.linear(x, w, bias)
         if torch.is_grad_enabled() and (w.requires_grad or x.requires_grad):
             return F.linear(x, w, bias)
         rows = x.numel() // self.in_features
+        if not packs:
+            if TRANSPOSED_MIN_ROWS <= rows <= TRANSPOSED_MAX_ROWS:
+                return transposed_linear(x, w, bias)
+            return F.linear(x, w, bias)
         if rows > MAX_ROWS or (rows < MIN_ROWS and dtype is torch.float32):  # float32: 1-3 rows pay plain
             return F.linear(x, w, bias)
         pack = self._pack
@@ -130,9 +162,14 @@ class PackedLinear(torch.nn.Linear):
         return state
 
 
-def pack_linears(module: torch.nn.Module, dtypes: list[str] | tuple[str, ...] | None = None) -> int:
+def pack_linears(
+    module: torch.nn.Module,
+    dtypes: list[str] | tuple[str, ...] | None = None,
+    transposed: list[str] | tuple[str, ...] = (),
+) -> int:
     """Every nn.Linear of `module` becomes a PackedLinear in place, packing in `dtypes` (names of
-    PACKED_DTYPES; None: every one this build has a kernel for); returns how many changed (a PackedLinear
+    PACKED_DTYPES; None: every one this build has a kernel for) and taking the transposed product in
+    `transposed` (names of TRANSPOSED_DTYPES, not packed too); returns how many changed (a PackedLinear
     whose dtypes change counts too)."""
     have = packable_dtypes()
     names = have if dtypes is None else list(dtypes)
@@ -140,17 +177,24 @@ def pack_linears(module: torch.nn.Module, dtypes: list[str] | tuple[str, ...] | 
         raise ValueError(
             f"no packed kernel for {unknown}: packed layouts exist for {', '.join(PACKED_DTYPES)}"
         )
-    missing = [d for d in names if d not in have] if names else list(PACKED_DTYPES)
+    if unknown := [d for d in transposed if d not in TRANSPOSED_DTYPES or d in names]:
+        raise ValueError(
+            f"no transposed product for {unknown}: it serves {', '.join(TRANSPOSED_DTYPES)}, where not packed"
+        )
+    missing = [d for d in names if d not in have] if names or transposed else list(PACKED_DTYPES)
     if missing:
         kernels = {"float32": "MKL (x86 CPU builds have it)", "bfloat16": "oneDNN with bf16 on this CPU"}
         need = "; ".join(f"{d}: {kernels[d]}" for d in missing)
         raise RuntimeError(f"weight_layout=packed needs a packed kernel this build lacks ({need})")
     packs = frozenset(PACKED_DTYPES[d] for d in names)
+    transposes = frozenset(TRANSPOSED_DTYPES[d] for d in transposed)
     changed = 0
     for mod in module.modules():
-        if type(mod) is torch.nn.Linear or (type(mod) is PackedLinear and mod.packs != packs):
+        if type(mod) is torch.nn.Linear or (
+            type(mod) is PackedLinear and (mod.packs, mod.transposes) != (packs, transposes)
+        ):
             mod.__class__ = PackedLinear
-            mod.packs = packs
+            mod.packs, mod.transposes = packs, transposes
             changed += 1
     return changed
 
@@ -160,7 +204,7 @@ def unpack_linears(module: torch.nn.Module) -> int:
     changed = 0
     for mod in module.modules():
         if type(mod) is PackedLinear:
-            for name in ("_pack", "_pack_key", "packs"):
+            for name in ("_pack", "_pack_key", "packs", "transposes"):
                 mod.__dict__.pop(name, None)
             mod.__class__ = torch.nn.Linear
             changed += 1

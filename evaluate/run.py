@@ -222,6 +222,10 @@ LAYOUT_WORDS = {
     "data/packed.py), plain in bfloat16",
     "packed-bfloat16": "linear layers on oneDNN's packed product in bfloat16 (a packed copy of each weight, "
     "data/packed.py), plain in float32",
+    "transposed": "linear layers on the transposed product in float32 ((W x^T)^T over 2-128 rows, "
+    "data/packed.py), plain in bfloat16",
+    "transposed+packed-bfloat16": "linear layers on the transposed product in float32 and on oneDNN's packed "
+    "product in bfloat16 (data/packed.py)",
 }
 
 
@@ -229,7 +233,7 @@ def layout_note(layout: str) -> str:
     """The report's line on the weight layout every decoder used."""
     return (
         f"\nWeight layout (weight_layout): {LAYOUT_WORDS.get(layout, layout)} in every decoder, plain decoding "
-        "included (weight_layout: row, column, packed, or auto: the one whose decoding-step products are "
+        "included (weight_layout: row, column, packed, transposed, or auto: the one whose decoding-step products are "
         "measured fastest on this CPU, data/hardware.py).\n"
     )
 

@@ -120,7 +120,10 @@ def test_column_layout_keeps_values_parameters_and_ties():
 
 def test_the_measured_faster_layout_decides_on_a_cpu_and_is_kept(fresh, monkeypatch):
     calls = []
-    ms = {torch.float32: {"row": 3.0, "packed": 2.5}, torch.bfloat16: {"row": 2.0, "packed": 2.5}}
+    ms = {
+        torch.float32: {"row": 3.0, "packed": 2.5, "transposed": 2.8},
+        torch.bfloat16: {"row": 2.0, "packed": 2.5},
+    }
     monkeypatch.setattr(hardware, "packable_dtypes", lambda: ["float32", "bfloat16"])
 
     def probe(**kw):
@@ -133,38 +136,58 @@ def test_the_measured_faster_layout_decides_on_a_cpu_and_is_kept(fresh, monkeypa
     monkeypatch.setattr(hardware, "layout_ms", probe)
     assert hardware.auto_layout("cuda:0") == "row" and calls == []  # nothing to measure on a GPU
     assert hardware.auto_layout("cpu") == "packed-float32" and calls == [torch.float32, torch.bfloat16]
-    kept = json.loads((fresh / "linear_layouts.json").read_text())
+    kept = json.loads((fresh / "linear_layouts_float32.json").read_text())
     assert list(kept.values()) == [ms[torch.float32]]  # each precision in its own file
     assert list(json.loads((fresh / "linear_layouts_bfloat16.json").read_text()).values()) == [
         ms[torch.bfloat16]
     ]
     hardware.fastest_layout.cache_clear()
-    ms[torch.float32] = {"row": 1.0, "packed": 2.0}
+    ms[torch.float32] = {"row": 1.0, "packed": 2.0, "transposed": 3.0}
     assert (
         hardware.auto_layout("cpu") == "packed-float32" and len(calls) == 2
     )  # read back, not measured again
-    (fresh / "linear_layouts.json").unlink()
-    (fresh / "linear_layouts_bfloat16.json").unlink()
+    for f in fresh.glob("linear_layouts*.json"):
+        f.unlink()
     hardware.fastest_layout.cache_clear()
     assert hardware.auto_layout("cpu") == "row" and len(calls) == 4
-    for fp32, bf16, layout in ((2.5, 2.5, "packed"), (3.5, 2.5, "packed-bfloat16"), (3.5, 3.5, "row")):
+    for fp32, tr, bf16, layout in (
+        (2.5, 3.5, 2.5, "packed"),
+        (3.5, 3.5, 2.5, "packed-bfloat16"),
+        (3.5, 3.5, 3.5, "row"),
+        (2.5, 2.0, 3.5, "transposed"),  # the fastest of the three float32 kernels
+        (2.5, 2.0, 2.5, "transposed+packed-bfloat16"),
+    ):
         for f in fresh.glob("linear_layouts*.json"):
             f.unlink()
         hardware.fastest_layout.cache_clear()
-        ms = {torch.float32: {"row": 3.0, "packed": fp32}, torch.bfloat16: {"row": 3.0, "packed": bf16}}
+        ms = {
+            torch.float32: {"row": 3.0, "packed": fp32, "transposed": tr},
+            torch.bfloat16: {"row": 3.0, "packed": bf16},
+        }
         assert hardware.auto_layout("cpu") == layout
     monkeypatch.setattr(hardware, "packable_dtypes", lambda: ["bfloat16"])  # a build without MKL
+    (fresh / "linear_layouts_bfloat16.json").unlink()
     hardware.fastest_layout.cache_clear()
-    assert hardware.auto_layout("cpu") == "row" and calls[-1] == torch.bfloat16  # kept: not measured again
+    ms[torch.float32] = {"row": 3.0, "packed": 1.0, "transposed": 3.5}  # a kept packed time is not a kernel
+    (fresh / "linear_layouts_float32.json").write_text(json.dumps({next(iter(kept)): ms[torch.float32]}))
+    n = len(calls)
+    assert hardware.auto_layout("cpu") == "packed-bfloat16" and calls[n:] == [torch.bfloat16]  # float32 kept
+    (fresh / "linear_layouts_float32.json").unlink()
+    monkeypatch.setattr(hardware, "packable_dtypes", lambda: [])  # no packed kernel at all: float32 is still
+    hardware.fastest_layout.cache_clear()  # weighed, row-major against transposed
+    ms[torch.float32] = {"row": 3.0, "transposed": 2.0}
+    assert hardware.auto_layout("cpu") == "transposed" and calls[-1] == torch.float32
 
 
 def test_the_layout_probe_times_the_layouts_auto_weighs_or_any_others():
     ms = hardware.layout_ms(rounds=1, rows=(1, 4), shapes=((8, 16), (16, 8)), layers=2, head=(8, 32))
-    assert set(ms) == set(hardware.AUTO_LAYOUTS) == {"row", "packed"} and all(v > 0 for v in ms.values())
+    assert set(ms) == set(hardware.AUTO_LAYOUTS) == {"row", "packed", "transposed"}
+    assert all(v > 0 for v in ms.values())
     ms = hardware.layout_ms(
         rounds=1, rows=(4,), shapes=((8, 16),), layers=1, layouts=hardware.WEIGHT_LAYOUTS, head=None
     )
-    assert set(ms) == set(hardware.WEIGHT_LAYOUTS) - {"packed-bfloat16"}  # float32 weights: it packs nothing
+    # float32 weights: packed-bfloat16 packs nothing, the combination is the transposed layout
+    assert set(ms) == set(hardware.WEIGHT_LAYOUTS) - {"packed-bfloat16", "transposed+packed-bfloat16"}
 
 
 needs_mkl = pytest.mark.skipif(not packing_available(), reason="this PyTorch build has no MKL packed product")
@@ -233,6 +256,65 @@ def test_a_packed_linear_follows_its_weight_and_falls_back_where_it_cannot_pack(
     with torch.no_grad():
         out = half(x.detach().bfloat16())
     assert out.dtype == torch.bfloat16 and half._pack is None
+
+
+def test_the_transposed_product_is_f_linear_for_any_rows_shape_and_bias():
+    """weight_layout=transposed (data/packed.py): float32 forwards over 2 to TRANSPOSED_MAX_ROWS rows
+    compute (W x^T)^T, F.linear's values up to rounding; one row, more rows, bf16 and gradients take F.linear."""
+    torch.manual_seed(0)
+    for bias in (True, False):
+        lin = torch.nn.Linear(96, 80, bias=bias)
+        n = packed.TRANSPOSED_MAX_ROWS + 1
+        x = torch.randn(n, 96)
+        with torch.no_grad():
+            plain = lin(x)
+            assert pack_linears(lin, [], ["float32"]) == 1 and lin.transposes == frozenset({torch.float32})
+            for m in (1, 2, 3, 8, 17, n - 1, n):
+                torch.testing.assert_close(lin(x[:m]), plain[:m])
+            torch.testing.assert_close(lin(x[:40].view(4, 10, 96)), plain[:40].view(4, 10, 80))
+            torch.testing.assert_close(lin(x[:40].t().contiguous().t()), plain[:40])  # a non-contiguous input
+            assert lin(x[:8]).is_contiguous()
+            assert torch.equal(lin(x[:1]), torch.nn.functional.linear(x[:1], lin.weight, lin.bias))
+            assert lin._pack is None  # nothing packed
+        y = lin(x[:8].requires_grad_())  # with gradients: the plain product, differentiable
+        y.sum().backward()
+        assert lin.weight.grad is not None
+    calls = []
+    real = packed.transposed_linear
+    try:
+        packed.transposed_linear = lambda *a: calls.append(a[0].shape) or real(*a)
+        with torch.no_grad():
+            lin(x[:4])
+            lin(x[:1])
+            lin(x)  # TRANSPOSED_MAX_ROWS + 1 rows: plain
+            half = copy.deepcopy(lin).bfloat16()  # bf16: plain, bitwise F.linear's
+            xb = x[:4].bfloat16()
+            assert torch.equal(half(xb), torch.nn.functional.linear(xb, half.weight, half.bias))
+    finally:
+        packed.transposed_linear = real
+    assert calls == [torch.Size([4, 96])]
+    with pytest.raises(ValueError, match="no transposed product for"):
+        pack_linears(lin, [], ["bfloat16"])
+
+
+def test_the_transposed_layout_keeps_values_parameters_and_ties():
+    torch.manual_seed(0)
+    model, ids = TiedLM(), torch.tensor([[1, 5, 7, 10]])
+    before, params = model(ids), list(model.parameters())
+    assert hardware.set_weight_layout(model, "transposed") == 2
+    assert all(type(m) is PackedLinear for m in (model.hidden, model.head))
+    assert model.head.transposes == frozenset({torch.float32}) and model.head.packs == frozenset()
+    assert model.head.weight is model.embed.weight and list(model.parameters()) == params
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), before)
+    assert hardware.set_weight_layout(model, "transposed") == 0  # already so
+    assert hardware.layout_transposes("transposed+packed-bfloat16") == ["float32"]
+    assert hardware.layout_dtypes("transposed+packed-bfloat16") == ["bfloat16"]
+    assert hardware.layout_dtypes("transposed") == [] and hardware.layout_transposes("packed") == []
+    assert hardware.set_weight_layout(model, "row") == 2 and type(model.hidden) is torch.nn.Linear
+    assert "transposes" not in model.hidden.__dict__
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), before)
 
 
 needs_bf16_pack = pytest.mark.skipif(

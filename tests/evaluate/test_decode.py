@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from specblock.data.hardware import set_weight_layout
+from specblock.data import packed
 from specblock.data.packed import PackedLinear, bf16_packing_available, packing_available
 from specblock.data.target import FeatureTarget
 from specblock.evaluate.decoding.continuations import LawBook
@@ -78,14 +79,17 @@ def test_auto_tree_budget_keeps_greedy_equality(greedy_setup, drafter):
     assert all(1 <= b <= 12 for b in dec.auto.chosen)
 
 
-@pytest.mark.parametrize("layout", ["column", "packed"])
-def test_other_weight_layouts_keep_greedy_equality(greedy_setup, layout):
+@pytest.mark.parametrize("layout", ["column", "packed", "transposed"])
+def test_other_weight_layouts_keep_greedy_equality(greedy_setup, layout, monkeypatch):
     """weight_layout=column (data/hardware.py) stores every linear weight transposed, `packed` gives every
-    linear an MKL-packed copy (data/packed.py): the same values through another kernel, so plain decoding in
-    that layout is the reference, and every drafting mode over a target and drafters in that layout
-    reproduces it."""
+    linear an MKL-packed copy, `transposed` multiplies as (W x^T)^T (data/packed.py): the same values
+    through another kernel, so plain decoding in that layout is the reference, and every drafting mode over
+    a target and drafters in that layout reproduces it."""
     if layout == "packed" and not packing_available():
         pytest.skip("this PyTorch build has no MKL packed product")
+    transposed = []  # the rows of every product the transposed kernel served
+    real = packed.transposed_linear
+    monkeypatch.setattr(packed, "transposed_linear", lambda x, *a: transposed.append(x.shape) or real(x, *a))
     target, ds = greedy_setup
     col = FeatureTarget(copy.deepcopy(target.model), target.feature_layers)
     assert set_weight_layout(col.model, layout) > 0
@@ -104,6 +108,7 @@ def test_other_weight_layouts_keep_greedy_equality(greedy_setup, layout):
                 )
     if layout == "packed":  # the packed product ran (in the target and in the drafters)
         assert all(m._pack is not None for m in col.model.modules() if isinstance(m, PackedLinear))
+    assert bool(transposed) == (layout == "transposed")  # the tree's and the blocks' products took it
 
 
 @pytest.mark.skipif(not bf16_packing_available(), reason="no oneDNN bf16 packed product here")
