@@ -193,23 +193,44 @@ def test_the_layout_probe_times_the_layouts_auto_weighs_or_any_others():
 needs_mkl = pytest.mark.skipif(not packing_available(), reason="this PyTorch build has no MKL packed product")
 
 
-@needs_mkl
-def test_packed_layout_keeps_values_parameters_and_ties():
+@pytest.mark.parametrize("layout", ["packed", "transposed"])
+def test_kernel_layouts_keep_values_parameters_and_ties(layout):
+    """`packed` (MKL's packed copy) and `transposed` ((W x^T)^T) swap each nn.Linear's class in place: the same
+    values, parameters and ties; `row` makes them plain linears again."""
+    if layout == "packed" and not packing_available():
+        pytest.skip("this PyTorch build has no MKL packed product")
     torch.manual_seed(0)
     model, ids = TiedLM(), torch.tensor([[1, 5, 7, 10]])
     before, params = model(ids), list(model.parameters())
-    assert hardware.set_weight_layout(model, "packed") == 2
+    assert hardware.set_weight_layout(model, layout) == 2
     assert all(type(m) is PackedLinear for m in (model.hidden, model.head))
     assert model.head.weight is model.embed.weight and list(model.parameters()) == params
+    packs = frozenset(packed.PACKED_DTYPES[d] for d in packed.packable_dtypes())
+    want = (packs, frozenset()) if layout == "packed" else (frozenset(), frozenset({torch.float32}))
+    assert (model.head.packs, model.head.transposes) == want
     with torch.no_grad():
         torch.testing.assert_close(model(ids), before)
-        assert model.hidden._pack is not None  # the packed product ran
+        assert (model.hidden._pack is not None) == (layout == "packed")  # the packed product ran
     pack = model.hidden._pack
-    assert hardware.set_weight_layout(model, "packed") == 0 and model.hidden._pack is pack  # already so
+    assert hardware.set_weight_layout(model, layout) == 0 and model.hidden._pack is pack  # already so
     assert hardware.set_weight_layout(model, "row") == 2 and type(model.hidden) is torch.nn.Linear
-    assert "_pack" not in model.hidden.__dict__
+    assert not {"_pack", "packs", "transposes"} & set(model.hidden.__dict__)
     with torch.no_grad():
         torch.testing.assert_close(model(ids), before)
+
+
+def test_layout_names_say_what_each_precision_takes():
+    assert hardware.layout_transposes("transposed+packed-bfloat16") == ["float32"]
+    assert hardware.layout_dtypes("transposed+packed-bfloat16") == ["bfloat16"]
+    assert hardware.layout_dtypes("transposed") == [] and hardware.layout_transposes("packed") == []
+    assert hardware.layout_dtypes("packed") is None and hardware.layout_dtypes("packed-float32") == [
+        "float32"
+    ]
+    for fp32, bf16 in (("row", False), ("packed", True), ("transposed", True), ("transposed", False)):
+        name = hardware.layout_name(fp32, bf16)
+        assert name in hardware.WEIGHT_LAYOUTS and hardware.layout_transposes(name) == ["float32"] * (
+            fp32 == "transposed"
+        )
 
 
 @needs_mkl
@@ -295,26 +316,6 @@ def test_the_transposed_product_is_f_linear_for_any_rows_shape_and_bias():
     assert calls == [torch.Size([4, 96])]
     with pytest.raises(ValueError, match="no transposed product for"):
         pack_linears(lin, [], ["bfloat16"])
-
-
-def test_the_transposed_layout_keeps_values_parameters_and_ties():
-    torch.manual_seed(0)
-    model, ids = TiedLM(), torch.tensor([[1, 5, 7, 10]])
-    before, params = model(ids), list(model.parameters())
-    assert hardware.set_weight_layout(model, "transposed") == 2
-    assert all(type(m) is PackedLinear for m in (model.hidden, model.head))
-    assert model.head.transposes == frozenset({torch.float32}) and model.head.packs == frozenset()
-    assert model.head.weight is model.embed.weight and list(model.parameters()) == params
-    with torch.no_grad():
-        torch.testing.assert_close(model(ids), before)
-    assert hardware.set_weight_layout(model, "transposed") == 0  # already so
-    assert hardware.layout_transposes("transposed+packed-bfloat16") == ["float32"]
-    assert hardware.layout_dtypes("transposed+packed-bfloat16") == ["bfloat16"]
-    assert hardware.layout_dtypes("transposed") == [] and hardware.layout_transposes("packed") == []
-    assert hardware.set_weight_layout(model, "row") == 2 and type(model.hidden) is torch.nn.Linear
-    assert "transposes" not in model.hidden.__dict__
-    with torch.no_grad():
-        torch.testing.assert_close(model(ids), before)
 
 
 needs_bf16_pack = pytest.mark.skipif(
