@@ -21,7 +21,7 @@ from .decoding.lookup import LookupConfig
 from .decoding.loop import DRAFTERLESS, MODES
 from .decoding.trees import AUTO, TreeConfig
 from .reporting.metrics import AUTOREGRESSIVE
-from .verify import CROSS_ITERATION, VERIFIERS
+from .verify import VERIFIERS
 
 log = logging.getLogger(__name__)
 
@@ -88,9 +88,9 @@ class EvalConfig:
     max_new_tokens: int = 64
     max_prompt_tokens: int = 512  # longer prompts keep their last tokens
     num_drafts: int = 4  # K for the iid methods (chain methods draft one)
-    # L for chain, iid and lookup; or "auto": each chain method (with a verifier that carries no
-    # continuation) chooses its length per iteration up to max_draft_length (evaluate/decoding/budget.py), lookup
-    # drafts up to max_draft_length
+    # L for chain, iid and lookup; or "auto": each chain and iid method chooses its length per iteration up to
+    # max_draft_length from measured costs (evaluate/decoding/budget.py: token by token for a chain verified
+    # token-wise, before drafting for i.i.d. drafts and block verifiers), lookup drafts up to max_draft_length
     draft_length: Any = 4
     max_draft_length: int = 8
     temperature: float = 0.0
@@ -143,14 +143,6 @@ class EvalConfig:
             raise ValueError(f"logger={self.logger!r} is not one of none, wandb")
         if self.draft_length != AUTO and not (isinstance(self.draft_length, int) and self.draft_length >= 1):
             raise ValueError(f"draft_length must be an int >= 1 or {AUTO!r}, got {self.draft_length!r}")
-        fixed = [
-            m for m in self.methods if parse_method(m)[0] == "iid" or parse_method(m)[1] in CROSS_ITERATION
-        ]
-        if self.draft_length == AUTO and fixed:
-            raise ValueError(
-                f"draft_length=auto chooses a chain's length per iteration; {fixed} need a fixed draft_length "
-                "(iid drafts, or a verifier whose continuation spans L tokens)"
-            )
         if self.drafter_dtype is not None and self.drafter_dtype not in DTYPES:
             raise ValueError(f"drafter_dtype={self.drafter_dtype!r} is not one of {sorted(DTYPES)} (or null)")
         if self.weight_layout not in (AUTO, *WEIGHT_LAYOUTS):

@@ -130,10 +130,12 @@ def stage_overrides(args: argparse.Namespace, exports: dict[str, Path]) -> tuple
     greedy (T = 0): the speed table, in the precision one deploys in (`--dtype`, default auto: bf16 on a
     GPU; on a CPU the faster of bf16 and float32, measured: data/hardware.py, evaluate/precision.py),
     with the machine choosing each tree's size and each chain's length from measured costs (budget=auto,
-    draft_length=auto; evaluate/decoding/budget.py); autoregressive decoding runs in the same precision. In bf16 a few generations may differ from bf16 autoregressive
-    decoding (near-ties between forwards of different shapes); the report counts them.
-    sampled (T > 0): every verifier on the SpecBlock drafter's drafts (fixed K and L), in the precision
-    the greedy stage decoded in (`sampled_dtype`, added by `main` once that stage has run).
+    draft_length=auto; evaluate/decoding/budget.py); autoregressive decoding runs in the same precision.
+    In bf16 a few generations may differ from bf16 autoregressive decoding (near-ties between forwards of
+    different shapes); the report counts them.
+    sampled (T > 0): every verifier on the SpecBlock drafter's drafts (K = num_drafts; L = draft_length=auto
+    unless --fixed-size: chosen per iteration before drafting, budget.py), in the precision the greedy stage
+    decoded in (`sampled_dtype`, added by `main` once that stage has run).
     """
     common = [
         f"limit={args.limit}",
@@ -151,6 +153,8 @@ def stage_overrides(args: argparse.Namespace, exports: dict[str, Path]) -> tuple
     if args.auto:
         greedy += ["draft_length=auto", *(f"trees.{d}.budget=auto" for d in DRAFTERS)]
     sampled = [*common, "~drafters.eagle3", f"temperature={args.temperature}", f"methods={SAMPLED_METHODS}"]
+    if args.auto:  # K = 4 i.i.d. drafts and block verifiers: L chosen before drafting, from past iterations
+        sampled.append("draft_length=auto")
     return greedy, sampled
 
 

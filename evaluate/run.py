@@ -124,7 +124,7 @@ def decode_config(cfg: EvalConfig, method: str, drafter: str | None) -> DecodeCo
         verifier=verifier,
         num_drafts=cfg.num_drafts if mode == "iid" else 1,
         draft_length=cfg.max_draft_length if auto else cfg.draft_length,
-        auto_length=auto and mode == "chain",
+        auto_length=auto and mode in ("chain", "iid"),
         temperature=cfg.temperature,
         top_p=cfg.top_p,
         max_new_tokens=cfg.max_new_tokens,

@@ -58,6 +58,19 @@ once even an optimistic next token (a_{L+1} = a_L) would not raise the best rate
 then cut to its best length (its drafting paid, `choose_budget`). Any ancestor-closed subtree of a
 draft tree is a valid draft tree, so the choice changes speed only, never the output: greedy equality
 and the law of generations stay as they are (tests/evaluate/test_budget.py).
+
+`draft_length=auto` for K i.i.d. drafts and for the verifiers whose continuation spans the block (greedy_block,
+spectr_gbv) chooses L before anything is drafted (`choose_up_front`), from past iterations only, so every
+iteration is a valid verification of fixed-length drafts and the output stays exact:
+
+    rate(L) = (1 + sum_{i<=L} A_i) / (fixed + L * draft_ms + forward(K * L + 1)),
+
+A_i the measured share of the iterations that offered depth i and accepted at least i tokens (DEPTH_PRIOR
+pseudo-counts at DEPTH_PRIOR_RATE^i behind it, made non-increasing in i), draft_ms the drafting ms per
+depth. Every PROBE_EVERY-th choice drafts the longest length, so the deeper depths stay measured. For a
+cross-iteration verifier L is at least what reaches the horizon of the continuation in force (horizons
+never shrink: continuations.py reads the plain target past the newest one). On this 2-core CPU the K = 4
+drafts' forward over K * L + 1 tokens is what it weighs: bf16 9 tokens ~38 ms, 17 ~47 ms (session 41).
 """
 
 from __future__ import annotations
@@ -81,6 +94,9 @@ GATE_MIN = 4  # tree+lookup: iterations with a chain and the drafter measured be
 # a drafter that does not pay is still asked every PROBE_EVERY-th iteration, so that the gate sees a change
 # (another kind of text, a better stretch of the drafter) instead of deciding once for the whole generation
 PROBE_EVERY = 8
+# draft_length=auto for i.i.d. drafts and cross-iteration verifiers: the prior behind the share of iterations
+# that accept at least i tokens, DEPTH_PRIOR pseudo-counts at DEPTH_PRIOR_RATE ** i
+DEPTH_PRIOR, DEPTH_PRIOR_RATE = 2.0, 0.5
 SOLO_DECAY = 0.8  # the drafter's measured worth without a chain: a drafted iteration's weight halves after ~3
 
 
@@ -207,6 +223,11 @@ class AutoBudget:
     round_since: dict[int, int] = field(default_factory=dict)  # times round r was asked and refused since
     rounds_cut: int = 0  # further rounds the measured record refused (for the report)
     tree_rounds: int = 0  # further rounds drafted in this iteration's tree so far
+    # draft_length=auto chosen up front (i.i.d. drafts, cross-iteration verifiers), per depth i >= 1 (index
+    # i - 1): iterations whose drafts reached depth i, and those of them that accepted at least i tokens
+    depth_offered: list[int] = field(default_factory=list)
+    depth_reached: list[int] = field(default_factory=list)
+    up_front_choices: int = 0
 
     @property
     def c(self) -> float:
@@ -326,6 +347,45 @@ class AutoBudget:
         b = choose_budget(confidences, self.forward, fixed, self.c).size
         self.chosen.append(b)
         return b
+
+    def depth_acceptance(self, longest: int) -> list[float]:
+        """A_1..A_longest: the chance that an iteration accepts at least i tokens, measured per depth over
+        the iterations that offered it (DEPTH_PRIOR pseudo-counts at DEPTH_PRIOR_RATE ** i), non-increasing."""
+        out: list[float] = []
+        for i in range(1, longest + 1):
+            offered = self.depth_offered[i - 1] if i <= len(self.depth_offered) else 0
+            reached = self.depth_reached[i - 1] if i <= len(self.depth_reached) else 0
+            a = (reached + DEPTH_PRIOR * DEPTH_PRIOR_RATE**i) / (offered + DEPTH_PRIOR)
+            out.append(min(a, out[-1]) if out else a)
+        return out
+
+    def choose_up_front(self, width: int, longest: int, shortest: int = 1) -> int:
+        """i.i.d. drafts and cross-iteration verifiers: the draft length L (shortest <= L <= longest) for
+        `width` drafts, chosen before drafting by rate(L) (module docstring); every PROBE_EVERY-th choice
+        is `longest`. Reads past iterations only."""
+        self.up_front_choices += 1
+        shortest = max(1, min(shortest, longest))
+        if self.up_front_choices % PROBE_EVERY == 0:
+            best = longest
+        else:
+            acc, best, best_rate = self.depth_acceptance(longest), shortest, -1.0
+            for n in range(shortest, longest + 1):
+                rate = (1.0 + sum(acc[:n])) / (
+                    self.fixed_ms + n * self.draft_ms + self.forward(width * n + 1)
+                )
+                if rate > best_rate:
+                    best, best_rate = n, rate
+        self.chosen.append(best)
+        return best
+
+    def observe_depths(self, length: int, accepted: int) -> None:
+        """An iteration of drafts of `length` tokens accepted `accepted` of them (choose_up_front)."""
+        if length > len(self.depth_offered):
+            self.depth_reached += [0] * (length - len(self.depth_offered))
+            self.depth_offered += [0] * (length - len(self.depth_offered))
+        for i in range(length):
+            self.depth_offered[i] += 1
+            self.depth_reached[i] += accepted > i
 
     def observe_drafting(self, tokens: int, seconds: float) -> None:
         self.drafted += tokens

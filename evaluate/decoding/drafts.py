@@ -15,6 +15,7 @@ from specblock.evaluate.decoding.budget import AutoBudget
 from specblock.evaluate.decoding.drafting import Root, greedy_draft, sample_drafts
 from specblock.evaluate.decoding.graft import LookupGraft
 from specblock.evaluate.decoding.trees import DraftTree, drafts_tree, graft_chain
+from specblock.evaluate.verify import CROSS_ITERATION
 from specblock.evaluate.verify.randomness import Sampler
 
 
@@ -43,6 +44,14 @@ class Drafts:
         self.greedy, self.vocab_size = greedy, vocab_size
         self.scores: list[float] = []
         self.variable_seconds = 0.0
+        # draft_length=auto: a chain verified token by token (or at temperature 0) is drafted token by token
+        # while one more may pay (`auto_chain`); i.i.d. drafts, a block verifier's chain when sampling and a
+        # verifier whose continuation spans the block get their length before drafting (`choose_up_front`),
+        # at least `shortest` (the loop sets it: the horizon of the continuation in force)
+        by_token = cfg.mode == "chain" and cfg.verifier not in CROSS_ITERATION
+        by_token = by_token and (greedy or cfg.verifier == "token")
+        self.up_front = bool(cfg.auto_length) and not by_token
+        self.shortest = 1
 
     def draft(self, root: Root | None, gen: Sampler, context: list[int]) -> Draft:
         """This iteration's draft from `root`; context: the prompt and the tokens generated so far."""
@@ -70,13 +79,18 @@ class Drafts:
             # the point-mass draft law: one-hot rows [1, L', V] (verify/chain.py: accept w.p. q(x))
             probs = None if self.greedy else point_mass(tokens, self.vocab_size)
             return chain_draft(tokens, probs)
-        if cfg.auto_length:
+        if cfg.auto_length and not self.up_front:
             return self.auto_chain(root, gen)
-        k = cfg.num_drafts
+        k, length, spent = cfg.num_drafts, cfg.draft_length, self.drafter.cost.seconds
+        if self.up_front:  # from past iterations only: the drafts below are verified as fixed-length ones
+            length = self.auto.choose_up_front(k, cfg.draft_length, self.shortest)
         if self.greedy:  # identical argmax drafts: the chain once, copied; greedy_path reads no draft law
-            tokens, probs = greedy_draft(root, cfg.draft_length).expand(k, -1), None
+            tokens, probs = greedy_draft(root, length).expand(k, -1), None
         else:
-            tokens, probs = sample_drafts(root, k, cfg.draft_length, gen)
+            tokens, probs = sample_drafts(root, k, length, gen)
+        if self.up_front:
+            self.scores, self.variable_seconds = [], self.drafter.cost.seconds - spent  # modelled per depth
+            self.auto.observe_drafting(length, self.variable_seconds)
         return chain_draft(tokens, probs)
 
     def drafter_tree(self, root: Root, extra: list[float] = ()) -> DraftTree:

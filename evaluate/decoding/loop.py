@@ -68,7 +68,7 @@ class DecodeConfig:
     max_new_tokens: int = 64
     tree: TreeConfig = field(default_factory=TreeConfig)
     lookup: LookupConfig = field(default_factory=LookupConfig)
-    auto_length: bool = False  # chain: the length chosen per iteration (budget.py), draft_length the most
+    auto_length: bool = False  # chain / iid: L chosen per iteration (budget.py), draft_length the most
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -87,10 +87,10 @@ class DecodeConfig:
             raise ValueError(
                 f"need temperature >= 0 and 0 < top_p <= 1, got {self.temperature}, {self.top_p}"
             )
-        if self.auto_length and (self.mode != "chain" or self.verifier in CROSS_ITERATION):
+        if self.auto_length and self.mode not in ("chain", "iid"):
             raise ValueError(
-                f"draft_length=auto chooses a chain's length per iteration: not for {self.method} (use a "
-                "fixed draft_length for iid drafts and for verifiers whose continuation spans L tokens)"
+                f"draft_length=auto chooses the length of a chain or of i.i.d. drafts per iteration: not for "
+                f"{self.method} (a tree's size is trees.<drafter>.budget=auto)"
             )
 
     @property
@@ -233,7 +233,7 @@ class SpeculativeDecoder:
             root = self.drafter.advance(features, after, 0)
         if self.auto is not None and self.auto.curve is None:  # once per decoder, off the clock
             t = time.perf_counter()
-            most = self.cfg.draft_length
+            most = self.cfg.draft_length * (self.cfg.num_drafts if self.cfg.mode == "iid" else 1)
             if self.cfg.mode in TREE_MODES:  # the lookup branch adds up to draft_length nodes
                 most = self.cfg.tree.max_budget + (
                     self.cfg.draft_length if self.cfg.mode == "tree+lookup" else 0
@@ -265,6 +265,8 @@ class SpeculativeDecoder:
             if self.auto is not None and drafted:  # calibrated on the drafter's own nodes (not a lookup's)
                 fixed = stats.seconds - stats.target_seconds - self.drafts.variable_seconds
                 self.auto.observe(self.drafts.scores, min(stats.accepted, self._drafter_accepted), fixed)
+                if self.drafts.up_front:
+                    self.auto.observe_depths(stats.draft_len, stats.accepted)
         result = Generation(
             out, iterations, self.target.calls, 1, time.perf_counter() - start, prefill_seconds,
             self.target.seconds - prefill_target, prefill_draft.calls, prefill_draft.seconds, prefill_target,
@@ -276,6 +278,8 @@ class SpeculativeDecoder:
     def _iteration(self, prompt: list[int], out: list[int], root: Root, book: LawBook, gen: Sampler) -> Step:
         base = tuple(out)  # generated so far; the root token is out[-1]
         committed = len(prompt) + len(out) - 1  # target cache entries before the root
+        if self.drafts.up_front:  # a block reaches the newest continuation's horizon (continuations.py)
+            self.drafts.shortest = book.levels[-1].horizon - len(out) if book.levels else 1
         draft = self.drafts.draft(root, gen, [*prompt, *out])
         tree = draft.tree
         target_before = self.target.seconds
@@ -300,7 +304,7 @@ class SpeculativeDecoder:
         if self.cross:
             after = key + (tuple(emitted) if cols is None else cols.cols(emitted))
             root = root if cols is None else ColumnRoot(root, cols)
-            book.carry(key, self.cfg.draft_length, verified.continuation, root, after)
+            book.carry(key, draft.tokens.shape[1], verified.continuation, root, after)  # this block's L
         else:
             book.plain.clear()
         # the verified positions: the root and the accepted nodes, each with the token after it

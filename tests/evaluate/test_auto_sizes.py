@@ -112,10 +112,56 @@ def test_specblock_round_starts_blocks_from_the_leaves_the_budget_keeps(greedy_s
     assert rows and set(rows) == {2}
 
 
-def test_auto_draft_length_is_refused_where_the_length_is_a_horizon():
-    for mode, verifier, k in (("iid", "spectr", 2), ("chain", "greedy_block", 1), ("tree", "token", 1)):
-        with pytest.raises(ValueError, match="draft_length=auto"):
-            DecodeConfig(mode, verifier, k, 4, auto_length=True)
+def test_auto_draft_length_is_refused_for_trees():
+    with pytest.raises(ValueError, match="draft_length=auto"):
+        DecodeConfig("tree", "token", 1, 4, auto_length=True)
+    for mode, verifier, k in (("iid", "spectr", 2), ("chain", "greedy_block", 1), ("iid", "spectr_gbv", 2)):
+        DecodeConfig(mode, verifier, k, 4, auto_length=True)  # chosen before drafting (budget.py)
+
+
+def lengths_by_position(monkeypatch, pattern: dict[int, int], clamp: bool = True) -> list[tuple]:
+    """draft_length=auto chosen up front made a function of the tokens generated so far (exact enumeration
+    replays one decoder many times, so the choice must not depend on earlier replays): pattern[len(out)],
+    raised to the loop's `shortest` unless clamp is off. Returns the (generated, shortest, L) it chose."""
+    from specblock.evaluate.decoding.budget import AutoBudget
+
+    seen, where = [], [0]
+    iteration = SpeculativeDecoder._iteration
+
+    def counting(self, prompt, out, *args):
+        where[0] = len(out)
+        return iteration(self, prompt, out, *args)
+
+    def choose(self, width, longest, shortest=1):
+        n = pattern.get(where[0], longest)
+        n = max(n, shortest) if clamp else n
+        seen.append((where[0], shortest, n))
+        return n
+
+    monkeypatch.setattr(SpeculativeDecoder, "_iteration", counting)
+    monkeypatch.setattr(AutoBudget, "choose_up_front", choose)
+    return seen
+
+
+@pytest.mark.parametrize(
+    "mode,verifier,k,pattern",
+    [
+        ("iid", "rrs", 1, {1: 2, 2: 1}),
+        ("iid", "spectr_gbv", 1, {1: 2, 2: 1}),  # K = 1: with K = 2 one case took 110-215 s to enumerate
+        ("chain", "greedy_block", 1, {1: 2, 2: 1}),  # a block verifier's chain at T > 0: chosen up front
+    ],
+)
+def test_exact_law_of_auto_iid_draft_length(exact_setup, mode, verifier, k, pattern, monkeypatch):
+    """draft_length=auto for i.i.d. drafts and block verifiers: L chosen before drafting from the past, so
+    each iteration is a fixed-length verification and the law of generations is the target's, with L
+    changing between iterations, also while a continuation of a longer block is in force (its horizon is
+    the block's own L). The loop's first iteration starts after one token (the prefill's)."""
+    target, ds = exact_setup
+    ref = exact_law(target, 1.0, 0.5)
+    seen = lengths_by_position(monkeypatch, pattern)
+    cfg = DecodeConfig(mode, verifier, k, 2, 1.0, 0.5, max_new_tokens=HORIZON, auto_length=True)
+    assert max_error(loop_law(target, ds["eagle3"], cfg), ref) < 1e-6
+    assert {n for *_, n in seen} == {1, 2}
 
 
 def test_auto_tree_takes_plain_steps_where_the_drafter_does_not_pay(greedy_setup, monkeypatch):

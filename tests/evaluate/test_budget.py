@@ -121,9 +121,13 @@ def test_draft_length_auto_config():
     assert chain.auto_length and chain.draft_length == cfg.max_draft_length == 8
     assert not lookup.auto_length and lookup.draft_length == 8
     assert not decode_config(EvalConfig(), "chain-token", "eagle3").auto_length
-    for methods in (["iid-spectr"], ["chain-greedy_block"]):
-        with pytest.raises(ValueError, match="need a fixed draft_length"):
-            EvalConfig(draft_length="auto", methods=methods)
+    cfg = EvalConfig(draft_length="auto", methods=["iid-spectr_gbv", "chain-greedy_block", "tree"])
+    iid, block = (
+        decode_config(cfg, "iid-spectr_gbv", "eagle3"),
+        decode_config(cfg, "chain-greedy_block", "eagle3"),
+    )
+    assert iid.auto_length and iid.draft_length == 8 and block.auto_length  # chosen before drafting
+    assert not decode_config(cfg, "tree", "eagle3").auto_length  # a tree's size is its own budget
     with pytest.raises(ValueError, match="draft_length must be"):
         EvalConfig(draft_length="long")
 

@@ -136,7 +136,8 @@ def test_every_drafter_is_registered_with_both_stages():
 def test_main_job_stages_compose(argv):
     """`specblock run`'s two evaluation stages compose into valid configs: by default the speed table
     (T = 0) runs in the deployment precision (auto) with draft sizes chosen from measured costs; the
-    verifier comparison (T > 0) with fixed K and L, in the precision the greedy stage decoded in."""
+    verifier comparison (T > 0) with K = 4 drafts of a length chosen the same way (fixed with --fixed-size),
+    in the precision the greedy stage decoded in."""
     exports = {d: f"checkpoints/quick-{d}/drafter" for d in DRAFTERS}
     overrides = stage_overrides(build_parser().parse_args(argv), exports)
     greedy, sampled = (
@@ -147,7 +148,8 @@ def test_main_job_stages_compose(argv):
     assert greedy.target.dtype == (auto_dtype(greedy.target.device) if auto else "float32")  # auto, resolved
     assert (greedy.draft_length == "auto") == auto
     assert all((greedy.trees[d].budget == "auto") == auto for d in DRAFTERS)
-    assert sampled.temperature > 0 and set(sampled.drafters) == {"specblock"} and sampled.draft_length == 4
+    assert sampled.temperature > 0 and set(sampled.drafters) == {"specblock"} and sampled.num_drafts == 4
+    assert sampled.draft_length == ("auto" if auto else 4)
     assert "iid-spectr_gbv" in sampled.methods
     records = [{"dtype": "bfloat16", "method": m} for m in ("autoregressive", "tree")]
     assert sampled_dtype(records) == "bfloat16" and sampled_dtype([]) is None
