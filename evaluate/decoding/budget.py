@@ -63,11 +63,13 @@ and the law of generations stay as they are (tests/evaluate/test_budget.py).
 spectr_gbv) chooses L before anything is drafted (`choose_up_front`), from past iterations only, so every
 iteration is a valid verification of fixed-length drafts and the output stays exact:
 
-    rate(L) = (1 + sum_{i<=L} A_i) / (fixed + L * draft_ms + forward(K * L + 1)),
+    rate(L) = (1 + sum_{i<=L} A_i) / (fixed(L) + L * draft_ms + forward(K * L + 1)),
 
 A_i the measured share of the iterations that offered depth i and accepted at least i tokens (DEPTH_PRIOR
 pseudo-counts at DEPTH_PRIOR_RATE^i behind it, made non-increasing in i), draft_ms the drafting ms per
-depth. Every PROBE_EVERY-th choice drafts the longest length, so the deeper depths stay measured. For a
+depth, fixed(L) the mean time outside the target forward and the drafting of the iterations that drafted
+L (the overall mean until FIXED_MIN of them are seen): SpecTr-GBV's verification builds its continuation's
+rows, which grow with L (0.19 ms / token at L = 2, 0.76-0.80 at L = 4, session 41). Every PROBE_EVERY-th choice drafts the longest length, so the deeper depths stay measured. For a
 cross-iteration verifier L is at least what reaches the horizon of the continuation in force (horizons
 never shrink: continuations.py reads the plain target past the newest one). On this 2-core CPU the K = 4
 drafts' forward over K * L + 1 tokens is what it weighs: bf16 9 tokens ~38 ms, 17 ~47 ms (session 41).
@@ -97,6 +99,8 @@ PROBE_EVERY = 8
 # draft_length=auto for i.i.d. drafts and cross-iteration verifiers: the prior behind the share of iterations
 # that accept at least i tokens, DEPTH_PRIOR pseudo-counts at DEPTH_PRIOR_RATE ** i
 DEPTH_PRIOR, DEPTH_PRIOR_RATE = 2.0, 0.5
+# ... and the iterations of one length seen before their own mean time outside the forward prices that length
+FIXED_MIN = 3
 SOLO_DECAY = 0.8  # the drafter's measured worth without a chain: a drafted iteration's weight halves after ~3
 
 
@@ -228,6 +232,7 @@ class AutoBudget:
     depth_offered: list[int] = field(default_factory=list)
     depth_reached: list[int] = field(default_factory=list)
     up_front_choices: int = 0
+    fixed_by_length: dict[int, list[float]] = field(default_factory=dict)  # L -> [total ms, iterations]
 
     @property
     def c(self) -> float:
@@ -371,15 +376,26 @@ class AutoBudget:
             acc, best, best_rate = self.depth_acceptance(longest), shortest, -1.0
             for n in range(shortest, longest + 1):
                 rate = (1.0 + sum(acc[:n])) / (
-                    self.fixed_ms + n * self.draft_ms + self.forward(width * n + 1)
+                    self.fixed_at(n) + n * self.draft_ms + self.forward(width * n + 1)
                 )
                 if rate > best_rate:
                     best, best_rate = n, rate
         self.chosen.append(best)
         return best
 
-    def observe_depths(self, length: int, accepted: int) -> None:
-        """An iteration of drafts of `length` tokens accepted `accepted` of them (choose_up_front)."""
+    def fixed_at(self, length: int) -> float:
+        """fixed(L): the mean ms outside the target forward of the iterations that drafted `length`
+        (choose_up_front), once FIXED_MIN are seen; the overall mean before."""
+        total, seen = self.fixed_by_length.get(length, (0.0, 0))
+        return total / seen if seen >= FIXED_MIN else self.fixed_ms
+
+    def observe_depths(self, length: int, accepted: int, fixed_seconds: float | None = None) -> None:
+        """An iteration of drafts of `length` tokens accepted `accepted` of them and spent `fixed_seconds`
+        outside the target forward and the drafting (choose_up_front)."""
+        if fixed_seconds is not None:
+            row = self.fixed_by_length.setdefault(length, [0.0, 0])
+            row[0] += fixed_seconds * 1e3
+            row[1] += 1
         if length > len(self.depth_offered):
             self.depth_reached += [0] * (length - len(self.depth_offered))
             self.depth_offered += [0] * (length - len(self.depth_offered))

@@ -266,7 +266,7 @@ class SpeculativeDecoder:
                 fixed = stats.seconds - stats.target_seconds - self.drafts.variable_seconds
                 self.auto.observe(self.drafts.scores, min(stats.accepted, self._drafter_accepted), fixed)
                 if self.drafts.up_front:
-                    self.auto.observe_depths(stats.draft_len, stats.accepted)
+                    self.auto.observe_depths(stats.draft_len, stats.accepted, fixed)
         result = Generation(
             out, iterations, self.target.calls, 1, time.perf_counter() - start, prefill_seconds,
             self.target.seconds - prefill_target, prefill_draft.calls, prefill_draft.seconds, prefill_target,

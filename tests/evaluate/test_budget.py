@@ -8,6 +8,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from specblock.evaluate.decoding.budget import (
+    FIXED_MIN,
     GATE_MIN,
     PROBE_EVERY,
     AutoBudget,
@@ -213,3 +214,31 @@ def test_tree_nodes_keep_the_round_that_drafted_them():
     assert tree.add(a, 6, -0.4, round=2) == b and tree.rounds == [0, 0, 1, 1]  # reused: the earlier round
     kept = tree.pruned(2)
     assert kept.tree.rounds == [0, 0, 1] and kept.old == [0, a, b] and c not in kept.old
+
+
+def test_up_front_length_weighs_acceptance_width_and_cost_per_length():
+    """choose_up_front (draft_length=auto for K i.i.d. drafts and block verifiers): L maximises
+    (1 + sum A_i) / (fixed(L) + L draft + forward(K L + 1)) from past iterations; every PROBE_EVERY-th
+    choice is the longest; `shortest` (a continuation's horizon) bounds it from below."""
+
+    def budget(ms: list[float]) -> AutoBudget:
+        auto = AutoBudget(curve=ForwardCurve([1, 5, 9, 13, 17], ms))
+        auto.fixed_total_ms, auto.iterations = 10.0, 1
+        return auto
+
+    free = budget([40.0] * 5)
+    for _ in range(20):  # every iteration accepted all 4
+        free.observe_depths(4, 4)
+    assert free.choose_up_front(4, 4) == 4
+    wide = budget([30.0, 33.0, 38.0, 43.0, 47.0])  # the K = 4 drafts' forward grows with L
+    for accepted in [0, 1, 1, 2, 0, 1, 3, 1] * 3:
+        wide.observe_depths(4, accepted)
+    assert wide.choose_up_front(4, 4) == 2 and wide.choose_up_front(4, 4, shortest=3) == 3
+    for _ in range(FIXED_MIN):  # a long block's verification measured dear (a continuation's rows)
+        free.observe_depths(4, 4, fixed_seconds=0.5)
+        free.observe_depths(3, 3, fixed_seconds=0.01)
+    assert free.fixed_at(4) == pytest.approx(500.0) and free.fixed_at(2) == free.fixed_ms
+    assert free.choose_up_front(4, 4) == 3
+    probe = budget([30.0, 33.0, 38.0, 43.0, 47.0])
+    choices = [probe.choose_up_front(4, 4) for _ in range(PROBE_EVERY)]
+    assert choices[-1] == 4 and set(choices[:-1]) == {choices[0]} and choices[0] < 4
