@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .base import LawAt
-from .residuals import Prefix, Rows, into, residual_masses, working
+from .residuals import Prefix, Rows, beyond, into, residual_masses, wide_residual, working
 from .randomness import ACC_DTYPE
 
 
@@ -176,6 +176,10 @@ class Coupling:
             q, p = q.index_select(0, idx), p.index_select(0, idx)
         lams = torch.tensor([rows[i][1] for i in keep], dtype=q.dtype, device=q.device).unsqueeze(1)
         masses = [rows[i][3] for i in keep]
+        if any(beyond(q, rows[i][1]) for i in keep):  # a lam past q's dtype: float64, row by row
+            for n, i in enumerate(keep):
+                self.final[ys[i]] = wide_residual(q[n], p[n], rows[i][1]).div_(masses[n]).to(q.dtype)
+            return
         law = torch.addcmul(q, p, lams, value=-1.0).clamp_(min=0)
         law.div_(torch.tensor(masses, dtype=q.dtype, device=q.device).unsqueeze(1))
         for n, i in enumerate(keep):
@@ -259,5 +263,10 @@ class RGBVContinuation:
         # (q - lam p)_+ over its mass S(lam), which the coupling has already summed (the same float ops, so
         # the same value as its sum): one pass over V less than normalising by the sum, and no second tensor
         q = working(rows.target_at(prefix))
+        if beyond(q, row.lam):
+            return into(
+                (wide_residual(q, rows.draft_at(prefix), row.lam) / rows.mass(prefix, row.lam)).to(q.dtype),
+                out,
+            )
         law = torch.sub(q, rows.draft_at(prefix).to(q.dtype), alpha=row.lam, out=out)
         return law.clamp_(min=0).div_(rows.mass(prefix, row.lam))

@@ -15,6 +15,8 @@ one pass over the vocabulary each, memoised per (prefix, lam), accumulated in fl
 
 from __future__ import annotations
 
+import math
+
 from typing import Callable
 
 import torch
@@ -44,23 +46,43 @@ def scratch(like: torch.Tensor, rows: int | None = None) -> torch.Tensor:
     return buf[0] if rows is None else buf[:rows]
 
 
+def beyond(q: torch.Tensor, lam: float) -> bool:
+    """Whether lam does not fit q's dtype: block verification's lam = 1 / p_i, the inverse of a running
+    ratio that a long chain of unlikely tokens drives below 1e-38 (float32's range; seen at L = 8, T = 0.7)."""
+    return lam > torch.finfo(q.dtype).max
+
+
+def wide_residual(q: torch.Tensor, p: torch.Tensor, lam: float) -> torch.Tensor:
+    """(q - lam p)_+ [..., V] in float64 for a lam beyond q's dtype (`beyond`); lam = inf (a denormal
+    running ratio): q where p = 0, the limit, without inf * 0."""
+    q64, p64 = q.double(), p.double()
+    if math.isinf(lam):
+        return torch.where(p64 == 0, q64, torch.zeros_like(q64))
+    return torch.sub(q64, p64, alpha=lam).clamp_(min=0)
+
+
 def residual_mass(q: torch.Tensor, p: torch.Tensor, lam: float) -> float:
     """S(lam) = sum_x (q(x) - lam p(x))_+ for one row q [V], p [V] (q float32/float64): what SpecTr's
     bisection calls 25 times per node."""
+    if beyond(q, lam):
+        return float(wide_residual(q, p, lam).sum())
     diff = torch.sub(q, p.to(q.dtype), alpha=lam, out=scratch(q))
     return float(diff.clamp_(min=0).sum())
 
 
 def residual_law(q: torch.Tensor, p: torch.Tensor, lam: float) -> torch.Tensor:
-    """(q - lam p)_+ as a new [V] tensor in q's dtype (q float32/float64), unnormalised."""
+    """(q - lam p)_+ as a new [V] tensor in q's dtype (q float32/float64; float64 for a lam beyond q's
+    dtype), unnormalised."""
+    if beyond(q, lam):
+        return wide_residual(q, p, lam)
     return torch.sub(q, p.to(q.dtype), alpha=lam).clamp_(min=0)
 
 
 def residual_masses(q: torch.Tensor, p: torch.Tensor, lams: list[float]) -> list[float]:
     """S(lam_r) for each row r of q [R, V], p [R, V] (any float dtype), in ONE pass over the rows."""
     q = working(q)
-    if q.shape[0] == 1:
-        return [residual_mass(q[0], p[0], lams[0])]
+    if q.shape[0] == 1 or any(beyond(q, lam) for lam in lams):
+        return [residual_mass(q[r], p[r], lam) for r, lam in enumerate(lams)]
     lam = torch.tensor(lams, dtype=q.dtype, device=q.device).unsqueeze(1)
     diff = torch.addcmul(q, p.to(q.dtype), lam, value=-1.0, out=scratch(q, q.shape[0]))
     return diff.clamp_(min=0).sum(-1).tolist()
@@ -104,7 +126,10 @@ class Rows:
 
     def point(self, y: Prefix, lam: float, x: int) -> float:
         """(q(x|y) - lam p(x|y))_+, unnormalised."""
-        return self.q(y, x) if lam == 0.0 else max(self.q(y, x) - lam * self.p(y, x), 0.0)
+        if lam == 0.0:
+            return self.q(y, x)
+        p = self.p(y, x)
+        return self.q(y, x) if p == 0.0 else max(self.q(y, x) - lam * p, 0.0)  # no inf * 0
 
     def mass(self, y: Prefix, lam: float) -> float:
         """S(lam) = sum_x (q(x|y) - lam p(x|y))_+ ; S(0) = 1 since q is a probability vector."""

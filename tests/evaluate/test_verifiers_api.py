@@ -122,3 +122,33 @@ def test_two_level_categorical_is_the_inverse_cdf():
         ref = int(torch.searchsorted(cdf, u * float(cdf[-1]), right=True))
         assert w[got] > 0
         assert got == min(ref, int(torch.nonzero(w)[-1])), u
+
+
+def test_a_running_ratio_below_float32s_range_is_verified_in_float64():
+    """Block verification of a long chain of tokens the target finds unlikely: its running ratio p_i falls
+    below 1e-38, so lam = 1 / p_i does not fit float32 (the main job's T = 0.7 stage crashed on it at
+    L = 8). The residuals are then taken in float64: the outcome law from float32 inputs equals the one
+    from float64 inputs, where lam fits; lam = inf keeps q where p = 0."""
+    from specblock.evaluate.verify.residuals import residual_law, residual_mass
+
+    L, V = 8, 4
+    q = torch.full((1, L + 1, V), 1e-6, dtype=torch.float64)
+    q[..., 1:] = (1 - 1e-6) / (V - 1)
+    p = torch.full((1, L, V), 0.0, dtype=torch.float64)
+    p[..., 0], p[..., 1] = 0.999, 0.001  # token 0 drafted every time: ratio ~1e-6 per step
+    tokens = torch.zeros(1, L, dtype=torch.int64)
+
+    def law(dtype):
+        out = enumerate_outcomes(lambda s: VERIFIERS["block"](q.to(dtype), p.to(dtype), tokens, sampler=s))
+        merged: dict = {}
+        for w, o in out:
+            merged[(o.num_accepted, o.next_token)] = merged.get((o.num_accepted, o.next_token), 0.0) + w
+        return merged
+
+    wide, narrow = law(torch.float64), law(torch.float32)
+    assert set(wide) == set(narrow) and all(abs(wide[k] - narrow[k]) < 1e-6 for k in wide)
+    row_q, row_p = q[0, 0].float(), p[0, 0].float()
+    assert residual_mass(row_q, row_p, 1e42) == pytest.approx(float(row_q[2:].sum()), rel=1e-6)
+    assert torch.equal(
+        residual_law(row_q, row_p, float("inf")), torch.cat([torch.zeros(2), row_q[2:]]).double()
+    )
