@@ -69,8 +69,8 @@ A_i the measured share of the iterations that offered depth i and accepted at le
 pseudo-counts at DEPTH_PRIOR_RATE^i behind it, made non-increasing in i), draft_ms the drafting ms per
 depth, fixed(L) the mean time outside the target forward and the drafting of the iterations that drafted
 L (the overall mean until FIXED_MIN of them are seen): SpecTr-GBV's verification builds its continuation's
-rows, which grow with L (0.19 ms / token at L = 2, 0.76-0.80 at L = 4, session 41). Every PROBE_EVERY-th choice drafts the longest length, so the deeper depths stay measured. For a
-cross-iteration verifier L is at least what reaches the horizon of the continuation in force (horizons
+rows, which grow with L (0.19 ms / token at L = 2, 0.76-0.80 at L = 4, session 41). Every PROBE_EVERY-th
+choice drafts one token longer than the best, so the next depth stays measured. For a cross-iteration verifier L is at least what reaches the horizon of the continuation in force (horizons
 never shrink: continuations.py reads the plain target past the newest one). On this 2-core CPU the K = 4
 drafts' forward over K * L + 1 tokens is what it weighs: bf16 9 tokens ~38 ms, 17 ~47 ms (session 41).
 """
@@ -367,19 +367,18 @@ class AutoBudget:
     def choose_up_front(self, width: int, longest: int, shortest: int = 1) -> int:
         """i.i.d. drafts and cross-iteration verifiers: the draft length L (shortest <= L <= longest) for
         `width` drafts, chosen before drafting by rate(L) (module docstring); every PROBE_EVERY-th choice
-        is `longest`. Reads past iterations only."""
+        is one longer than the best, so the next depth stays measured (not `longest`: a cross-iteration
+        verifier's long block sets a far horizon that the next blocks must reach, and in the main job's
+        T = 0.7 stage probing L = 8 made SpecTr-GBV 0.69x). Reads past iterations only."""
         self.up_front_choices += 1
         shortest = max(1, min(shortest, longest))
+        acc, best, best_rate = self.depth_acceptance(longest), shortest, -1.0
+        for n in range(shortest, longest + 1):
+            rate = (1.0 + sum(acc[:n])) / (self.fixed_at(n) + n * self.draft_ms + self.forward(width * n + 1))
+            if rate > best_rate:
+                best, best_rate = n, rate
         if self.up_front_choices % PROBE_EVERY == 0:
-            best = longest
-        else:
-            acc, best, best_rate = self.depth_acceptance(longest), shortest, -1.0
-            for n in range(shortest, longest + 1):
-                rate = (1.0 + sum(acc[:n])) / (
-                    self.fixed_at(n) + n * self.draft_ms + self.forward(width * n + 1)
-                )
-                if rate > best_rate:
-                    best, best_rate = n, rate
+            best = min(longest, best + 1)
         self.chosen.append(best)
         return best
 
