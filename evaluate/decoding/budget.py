@@ -59,9 +59,9 @@ then cut to its best length (its drafting paid, `choose_budget`). Any ancestor-c
 draft tree is a valid draft tree, so the choice changes speed only, never the output: greedy equality
 and the law of generations stay as they are (tests/evaluate/test_budget.py).
 
-`draft_length=auto` for K i.i.d. drafts and for the verifiers whose continuation spans the block (greedy_block,
-spectr_gbv) chooses L before anything is drafted (`choose_up_front`), from past iterations only, so every
-iteration is a valid verification of fixed-length drafts and the output stays exact:
+`draft_length=auto` for K i.i.d. drafts and for the verifiers whose continuation spans the block
+(greedy_block, spectr_gbv) chooses L before anything is drafted (`choose_up_front`), from past iterations
+only, so every iteration is a valid verification of fixed-length drafts and the output stays exact:
 
     rate(L) = (1 + sum_{i<=L} A_i) / (fixed(L) + L * draft_ms + forward(K * L + 1)),
 
@@ -70,8 +70,9 @@ pseudo-counts at DEPTH_PRIOR_RATE^i behind it, made non-increasing in i), draft_
 depth, fixed(L) the mean time outside the target forward and the drafting of the iterations that drafted
 L (the overall mean until FIXED_MIN of them are seen): SpecTr-GBV's verification builds its continuation's
 rows, which grow with L (0.19 ms / token at L = 2, 0.76-0.80 at L = 4, session 41). Every PROBE_EVERY-th
-choice drafts one token longer than the best, so the next depth stays measured. For a cross-iteration verifier L is at least what reaches the horizon of the continuation in force (horizons
-never shrink: continuations.py reads the plain target past the newest one). On this 2-core CPU the K = 4
+choice drafts one token longer than the best, so the next depth stays measured. For a cross-iteration
+verifier L is at least what reaches the horizon of the continuation in force (horizons never shrink:
+continuations.py reads the plain target past the newest one). On this 2-core CPU the K = 4
 drafts' forward over K * L + 1 tokens is what it weighs: bf16 9 tokens ~38 ms, 17 ~47 ms (session 41).
 """
 
@@ -355,7 +356,8 @@ class AutoBudget:
 
     def depth_acceptance(self, longest: int) -> list[float]:
         """A_1..A_longest: the chance that an iteration accepts at least i tokens, measured per depth over
-        the iterations that offered it (DEPTH_PRIOR pseudo-counts at DEPTH_PRIOR_RATE ** i), non-increasing."""
+        the iterations that offered it (DEPTH_PRIOR pseudo-counts at DEPTH_PRIOR_RATE ** i), made
+        non-increasing."""
         out: list[float] = []
         for i in range(1, longest + 1):
             offered = self.depth_offered[i - 1] if i <= len(self.depth_offered) else 0

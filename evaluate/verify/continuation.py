@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .base import LawAt
-from .residuals import Prefix, Rows, beyond, into, residual_masses, wide_residual, working
+from .residuals import Prefix, Rows, beyond, into, residual_law, residual_masses, working
 from .randomness import ACC_DTYPE
 
 
@@ -178,7 +178,7 @@ class Coupling:
         masses = [rows[i][3] for i in keep]
         if any(beyond(q, rows[i][1]) for i in keep):  # a lam past q's dtype: float64, row by row
             for n, i in enumerate(keep):
-                self.final[ys[i]] = wide_residual(q[n], p[n], rows[i][1]).div_(masses[n]).to(q.dtype)
+                self.final[ys[i]] = residual_law(q[n], p[n], rows[i][1]).div_(masses[n]).to(q.dtype)
             return
         law = torch.addcmul(q, p, lams, value=-1.0).clamp_(min=0)
         law.div_(torch.tensor(masses, dtype=q.dtype, device=q.device).unsqueeze(1))
@@ -265,7 +265,7 @@ class RGBVContinuation:
         q = working(rows.target_at(prefix))
         if beyond(q, row.lam):
             return into(
-                (wide_residual(q, rows.draft_at(prefix), row.lam) / rows.mass(prefix, row.lam)).to(q.dtype),
+                (residual_law(q, rows.draft_at(prefix), row.lam) / rows.mass(prefix, row.lam)).to(q.dtype),
                 out,
             )
         law = torch.sub(q, rows.draft_at(prefix).to(q.dtype), alpha=row.lam, out=out)

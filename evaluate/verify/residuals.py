@@ -48,7 +48,8 @@ def scratch(like: torch.Tensor, rows: int | None = None) -> torch.Tensor:
 
 def beyond(q: torch.Tensor, lam: float) -> bool:
     """Whether lam does not fit q's dtype: block verification's lam = 1 / p_i, the inverse of a running
-    ratio that a long chain of unlikely tokens drives below 1e-38 (float32's range; seen at L = 8, T = 0.7)."""
+    ratio that a long chain of unlikely tokens drives below 1e-38 (float32's range; seen at L = 8,
+    T = 0.7)."""
     return lam > torch.finfo(q.dtype).max
 
 
