@@ -50,6 +50,9 @@ def kseq_rho(rows: Rows, y: Prefix, k: int) -> tuple[float, float]:
     def beta(rho: float) -> float:
         return (1.0 - rows.mass(y, rho)) / rho if rho != 1.0 else 1.0 - rows.mass(y, 1.0)
 
+    b1 = beta(1.0)
+    if b1 - 1.0 + (1.0 - b1) ** k >= 0:  # p = q here (g(1) = 0): rho = 1 accepts every candidate
+        return 1.0, b1
     lo, hi = 1.0, float(k)
     while hi - lo > RHO_TOL * k:
         mid = 0.5 * (lo + hi)
@@ -74,10 +77,18 @@ def kseq_rule(rows: Rows, y: Prefix, candidates: list[int], s: Sampler):
     q = working(rows.target_at(y))  # residuals.py: vocabulary-wide work in the input's dtype
     if beta <= 0.0 or none <= 0.0:
         return None, q
-    accepted = torch.minimum(working(rows.draft_at(y)).to(q.dtype), q / rho).mul_((1.0 - none) / beta)  # m(x)
-    return None, torch.sub(q, accepted).clamp_(
-        min=0
-    )  # p_res = (q - m) / (1 - beta)^k, normalised by the sampler
+    residual = kseq_residual(q, working(rows.draft_at(y)), rho, beta, none)
+    if not residual.sum() > 0:  # (1 - beta)^k below q's resolution: q - m cancels in float32
+        residual = kseq_residual(q.to(ACC_DTYPE), rows.draft_at(y).to(ACC_DTYPE), rho, beta, none)
+    return None, residual if residual.sum() > 0 else q  # q: where float64 cancels too (none ~ 1e-16)
+
+
+def kseq_residual(q: torch.Tensor, p: torch.Tensor, rho: float, beta: float, none: float) -> torch.Tensor:
+    """K-SEQ's correction law, unnormalised: (q - m)_+ with m(x) = min(p(x), q(x) / rho) (1 - none) / beta,
+    in q's dtype; its sum is `none` = (1 - beta)^k, so where that is below q's resolution (p nearly q) the
+    float32 difference cancels to 0 and the caller redoes it in float64. q, p: [V]."""
+    accepted = torch.minimum(p.to(q.dtype), q / rho).mul_((1.0 - none) / beta)
+    return torch.sub(q, accepted).clamp_(min=0)
 
 
 def rrs_rule(rows: Rows, y: Prefix, candidates: list[int], s: Sampler):

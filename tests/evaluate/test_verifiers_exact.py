@@ -355,3 +355,19 @@ def test_continuation_shares_rows_between_prefixes_of_the_same_lookups():
             cont(y, counted("fresh", target), counted("fresh", draft)), law, atol=1e-15, rtol=0
         )
     assert reads["shared"] < 0.8 * reads["fresh"]  # 71 against 103 reads
+
+
+def test_kseq_correction_where_float32_cancels():
+    """SpecTr K-SEQ on float32 laws (as the loop passes them) with the draft within 2^-23 of a one-hot target:
+    both candidates are rejected with probability ~1e-14, where the correction q - m cancels to 0 in float32
+    (it used to reach the sampler as an empty law). It is formed in float64 there and the law stays the
+    target's. With p = q exactly, rho = 1 and no candidate is ever rejected."""
+    from specblock.evaluate.verify.multidraft import kseq_rho
+
+    q = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    p = torch.tensor([1.0 - 2**-23, 2**-23, 0.0, 0.0])  # sums to 1 exactly in float32
+    outcomes = iteration_outcomes(get_verifier("spectr"), lambda y: q, lambda y: p, 2, 1)
+    assert law_error(iteration_law(outcomes, lambda y: q, lambda y: p, 1), lambda y: q, 2) < TOL
+    assert min(o.prob for o in outcomes) > 1e-15  # the rejection path was enumerated, not pruned
+    rows = draft_rows(q.expand(2, 2, 4), q.expand(2, 1, 4), [[0], [0]])
+    assert kseq_rho(rows, (), 2) == (1.0, 1.0)
