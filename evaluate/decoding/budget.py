@@ -42,9 +42,9 @@ nodes. Before drafting, `lookup_alone` decides whether the drafter runs at all t
 
 A `tree` with budget=auto asks the same gate with no chain: the drafter is called on demand (graft.py), and an
 iteration takes a plain one-token target step where the drafter's recent record (accepted nodes, nodes and
-drafter ms per drafted iteration, decayed) says its call and the wider forward cost more than its tokens win,
-1 / (other + forward(1)) >= (1 + g) / (other + d + forward(1 + b)). Every PROBE_EVERY-th iteration drafts
-anyway, so the record follows the text. A drafter that does not pay thus costs a few percent instead of
+drafter ms per drafted iteration, decayed by GATE_DECAY) says its call and the wider forward cost more than its
+tokens win, 1 / (other + forward(1)) >= (1 + g) / (other + d + forward(1 + b)). Every PROBE_EVERY-th iteration
+drafts anyway, so the record follows the text. A drafter that does not pay thus costs a few percent instead of
 making decoding slower than the target alone (the quick SpecBlock drafter on GSM8K: 0.92-0.93x against
 0.79-0.84x of plain decoding, `scripts/ab_solo_gate.py`).
 
@@ -102,7 +102,16 @@ PROBE_EVERY = 8
 DEPTH_PRIOR, DEPTH_PRIOR_RATE = 2.0, 0.5
 # ... and the iterations of one length seen before their own mean time outside the forward prices that length
 FIXED_MIN = 3
-SOLO_DECAY = 0.8  # the drafter's measured worth without a chain: a drafted iteration's weight halves after ~3
+SOLO_DECAY = (
+    0.8  # the further rounds' measured record (round_pays): a drafted iteration's weight halves after ~3
+)
+# The gate's memory of the drafter's worth without a chain (observe_solo): a drafted iteration's weight halves
+# after ~14. At 0.8 (halving after ~3, session 28 to 42) the means of ~5 noisy iterations (0, 1 or 2 nodes
+# accepted) fell below break-even by chance and closed the gate for 7 iterations at a time: the quick SpecBlock
+# drafter's tree made 1.02-1.16x against 1.14-1.25x at 0.95 (bf16, 4 prompts of 48 tokens on each of five sets,
+# session 43, scripts/ab_gate_memory.py), and 0.95 still keeps an untrained drafter from being called (0.94x
+# against 0.84x with no gate).
+GATE_DECAY = 0.95
 
 
 @dataclass
@@ -211,7 +220,7 @@ class AutoBudget:
     other_ms: float = 0.0  # tree+lookup: decayed sums of the loop's own ms per iteration (outside the
     other_weight: float = 0.0  # target forward and drafting) and of the weights
     solo_iterations: int = 0  # iterations without a lookup chain that ran the drafter, and decayed sums over
-    solo_gain: float = 0.0  # them (SOLO_DECAY, so that the gate follows the text: a stretch the drafter knows
+    solo_gain: float = 0.0  # them (GATE_DECAY, so that the gate follows the text: a stretch the drafter knows
     solo_nodes: float = 0.0  # opens it, a probe that fails closes it): accepted nodes, nodes verified,
     solo_ms: float = 0.0  # drafter ms (catching up on the verified positions, and the rounds), and the
     solo_weight: float = 0.0  # weights
@@ -467,10 +476,10 @@ class AutoBudget:
         """An iteration without a lookup chain ran the drafter: it accepted `gain` nodes of the `nodes` it
         verified and spent `seconds` drafting."""
         self.solo_iterations += 1
-        self.solo_gain = SOLO_DECAY * self.solo_gain + gain
-        self.solo_nodes = SOLO_DECAY * self.solo_nodes + nodes
-        self.solo_ms = SOLO_DECAY * self.solo_ms + seconds * 1e3
-        self.solo_weight = SOLO_DECAY * self.solo_weight + 1.0
+        self.solo_gain = GATE_DECAY * self.solo_gain + gain
+        self.solo_nodes = GATE_DECAY * self.solo_nodes + nodes
+        self.solo_ms = GATE_DECAY * self.solo_ms + seconds * 1e3
+        self.solo_weight = GATE_DECAY * self.solo_weight + 1.0
 
     def observe_gate(self, gain: int, nodes: int, seconds: float) -> None:
         """tree+lookup: an iteration that ran the drafter beside a chain accepted `gain` nodes the chain

@@ -170,6 +170,22 @@ def test_the_gate_without_a_chain_weighs_a_plain_step_against_the_drafter():
     assert auto.lookup_alone(0) is None and auto.lookup_alone(0) is None
 
 
+def test_the_gate_outlasts_an_unlucky_streak_of_a_drafter_that_pays():
+    """The gate's memory (GATE_DECAY): a drafter that pays on average (one node in two iterations against a
+    break-even of ~0.36 here) is still called after 3 rejected iterations in a row, the chance streak that
+    closed the gate for 7 iterations at a time when an iteration's weight halved after ~3; a dozen rejected
+    iterations in a row close it."""
+    auto = AutoBudget(curve=ForwardCurve([1, 64], [50.0, 50.0 + 63 * 2.0]))
+    for i in range(40):
+        auto.observe_solo(i % 2, 4, 0.010)  # 4 nodes verified, 1 accepted every other iteration, 10 ms a call
+    for _ in range(3):
+        auto.observe_solo(0, 4, 0.010)
+    assert auto.lookup_alone(0) is None
+    for _ in range(12):
+        auto.observe_solo(0, 4, 0.010)
+    assert auto.lookup_alone(0) == 0
+
+
 def test_a_further_round_that_its_record_says_does_not_pay_is_cut_with_probes():
     """Optimism drafts a round whenever children as likely as their parents could pay; the measured record
     of what that round added where it ran (accepted and kept nodes, drafter rounds) then decides: a round
