@@ -1,9 +1,11 @@
-"""A/B, side by side in one process, of the drafter-on-demand gate's memory (budget.py, `AutoBudget.lookup_alone`
-with n = 0, `observe_solo`): a tree with budget=auto as it is (SOLO_DECAY), against the same decoder with a longer
-memory, and drafting in every iteration (no gate). bench_decode.py's interleaved runner and table, T = 0, bf16.
+"""A/B, side by side in one process, of the drafter-on-demand gate's memory (budget.py,
+`AutoBudget.lookup_alone` with n = 0, `observe_solo`): a tree with budget=auto as it is (GATE_DECAY), against
+the same decoder with other decays (--decays), and drafting in every iteration (no gate). bench_decode.py's
+interleaved runner and table, T = 0, bf16 by default.
 
-    SPECBLOCK_DATASETS=../shared/datasets python scripts/ab_gate_memory.py --drafter checkpoints/quick-specblock/drafter \
-        --dataset mgsm_en --prompts 4 --max-new-tokens 48
+    SPECBLOCK_DATASETS=../shared/datasets python scripts/ab_gate_memory.py \
+        --drafter checkpoints/quick-specblock/drafter --dataset mgsm --prompts 4 --max-new-tokens 48 \
+        --skip-forward --decays 0.8 0.9
 """
 
 from __future__ import annotations

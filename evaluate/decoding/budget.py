@@ -40,13 +40,13 @@ divided out (c calibrates the drafter's scores only); the drafter's further roun
 chain already in the tree, and the union of the drafter's nodes and the chain's is cut to its best B
 nodes. Before drafting, `lookup_alone` decides whether the drafter runs at all this iteration.
 
-A `tree` with budget=auto asks the same gate with no chain: the drafter is called on demand (graft.py), and an
-iteration takes a plain one-token target step where the drafter's recent record (accepted nodes, nodes and
-drafter ms per drafted iteration, decayed by GATE_DECAY) says its call and the wider forward cost more than its
-tokens win, 1 / (other + forward(1)) >= (1 + g) / (other + d + forward(1 + b)). Every PROBE_EVERY-th iteration
-drafts anyway, so the record follows the text. A drafter that does not pay thus costs a few percent instead of
-making decoding slower than the target alone (the quick SpecBlock drafter on GSM8K: 0.92-0.93x against
-0.79-0.84x of plain decoding, `scripts/ab_solo_gate.py`).
+A `tree` with budget=auto asks the same gate with no chain: the drafter is called on demand (graft.py), and
+an iteration takes a plain one-token target step where the drafter's recent record (accepted nodes, nodes and
+drafter ms per drafted iteration, decayed by GATE_DECAY) says its call and the wider forward cost more than
+its tokens win, 1 / (other + forward(1)) >= (1 + g) / (other + d + forward(1 + b)). Every PROBE_EVERY-th
+iteration drafts anyway, so the record follows the text. A drafter that does not pay thus costs a few percent
+instead of making decoding slower than the target alone (the quick SpecBlock drafter on GSM8K: 0.92-0.93x
+against 0.79-0.84x of plain decoding, `scripts/ab_solo_gate.py`).
 
 `draft_length=auto` (chain methods) applies the same model to a chain drafted token by token, where
 drafting is not sunk: each further token costs `draft_ms` (the running mean per drafted token), so
@@ -102,15 +102,13 @@ PROBE_EVERY = 8
 DEPTH_PRIOR, DEPTH_PRIOR_RATE = 2.0, 0.5
 # ... and the iterations of one length seen before their own mean time outside the forward prices that length
 FIXED_MIN = 3
-SOLO_DECAY = (
-    0.8  # the further rounds' measured record (round_pays): a drafted iteration's weight halves after ~3
-)
-# The gate's memory of the drafter's worth without a chain (observe_solo): a drafted iteration's weight halves
-# after ~14. At 0.8 (halving after ~3, session 28 to 42) the means of ~5 noisy iterations (0, 1 or 2 nodes
-# accepted) fell below break-even by chance and closed the gate for 7 iterations at a time: the quick SpecBlock
-# drafter's tree made 1.02-1.16x against 1.14-1.25x at 0.95 (bf16, 4 prompts of 48 tokens on each of five sets,
-# session 43, scripts/ab_gate_memory.py), and 0.95 still keeps an untrained drafter from being called (0.94x
-# against 0.84x with no gate).
+SOLO_DECAY = 0.8  # the further rounds' record (round_pays): a drafted iteration's weight halves after ~3
+# The gate's memory of the drafter's worth without a chain (observe_solo): a drafted iteration's weight
+# halves after ~14. At 0.8 (halving after ~3, until session 42) the means of ~5 noisy iterations (0, 1 or 2
+# nodes accepted) fell below break-even by chance and closed the gate for 7 iterations at a time: the quick
+# SpecBlock drafter's tree made 1.02-1.24x against 1.14-1.32x at 0.95 (bf16, 4 prompts of 48 tokens on each
+# of the five sets, session 43, scripts/ab_gate_memory.py), and 0.95 still keeps an untrained drafter from
+# being called (0.94x against 0.84x with no gate).
 GATE_DECAY = 0.95
 
 
