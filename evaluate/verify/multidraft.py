@@ -78,9 +78,12 @@ def kseq_rule(rows: Rows, y: Prefix, candidates: list[int], s: Sampler):
     if beta <= 0.0 or none <= 0.0:
         return None, q
     residual = kseq_residual(q, working(rows.draft_at(y)), rho, beta, none)
-    if not residual.sum() > 0:  # (1 - beta)^k below q's resolution: q - m cancels in float32
-        residual = kseq_residual(q.to(ACC_DTYPE), rows.draft_at(y).to(ACC_DTYPE), rho, beta, none)
-    return None, residual if residual.sum() > 0 else q  # q: where float64 cancels too (none ~ 1e-16)
+    if residual.sum() > 0:
+        return None, residual
+    # (1 - beta)^k below q's resolution: q - m cancelled in float32; redone in float64, and where that cancels
+    # too (none below ~1e-16, a path no sampler reaches in practice) the target's own law
+    residual = kseq_residual(q.to(ACC_DTYPE), rows.draft_at(y).to(ACC_DTYPE), rho, beta, none)
+    return None, residual if residual.sum() > 0 else q
 
 
 def kseq_residual(q: torch.Tensor, p: torch.Tensor, rho: float, beta: float, none: float) -> torch.Tensor:
