@@ -12,7 +12,7 @@ from .logs import setup_logging
 
 from .config import PrepareAppConfig, register_configs
 from .prepare import prepare
-from .world import launched_world
+from .world import launched_world, shutdown_distributed
 
 register_configs()
 
@@ -23,6 +23,7 @@ def main(cfg: DictConfig) -> None:
     setup_logging()
     config: PrepareAppConfig = OmegaConf.to_object(cfg)
     prepare(config.data, launched_world())
+    shutdown_distributed()  # after success only: a failed rank exits with its error
 
 
 if __name__ == "__main__":

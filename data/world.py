@@ -77,3 +77,15 @@ def launched_world() -> World:
         local_rank=state.local_process_index,
         barrier=state.wait_for_everyone,
     )
+
+
+def shutdown_distributed() -> None:
+    """End this rank's process group, if `accelerate launch` made one, before the interpreter exits: a
+    rank that exits with the group alive can abort in its teardown (gloo: "terminate called without an
+    active exception", exit code -6 after a finished run, seen under load) and fail the launch. A no-op
+    in a single process."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()  # no rank tears down the group while another still uses it
+        dist.destroy_process_group()

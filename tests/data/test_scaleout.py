@@ -16,7 +16,7 @@ from specblock.data.errors import BadInputError
 from specblock.data.manifest import read_manifest
 from specblock.data.regenerate import RegenerateConfig, part_path, part_paths, regenerate
 from specblock.data.target import FeatureTarget
-from specblock.data.world import World, launched_world
+from specblock.data.world import World, launched_world, shutdown_distributed
 
 CONVS = [(f"c{i}", [{"role": "user", "content": "what is the cat " * (1 + i % 3)}]) for i in range(7)]
 CFG = RegenerateConfig(max_new_tokens=4, batch_size=2, temperature=0.8)  # batches {0,1} {2,3} {4,5} {6}
@@ -35,6 +35,18 @@ def test_world_deals_units_round_robin_and_places_ranks_on_their_gpu(monkeypatch
 
 def lines(path):
     return path.read_bytes().splitlines(keepends=True)
+
+
+def test_shutdown_ends_the_process_group_and_is_a_no_op_without_one(tmp_path):
+    """`python -m specblock.train` / `specblock.data` end their rank's process group after a finished run
+    (a rank exiting with it alive could abort in gloo's teardown and fail the launch); a plain run has none."""
+    import torch.distributed as dist
+
+    shutdown_distributed()  # no group: nothing happens
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    assert dist.is_initialized()
+    shutdown_distributed()
+    assert not dist.is_initialized()
 
 
 def test_ranks_regenerate_their_batches_and_rank0_merges_the_one_process_file(tiny_chat, tmp_path):

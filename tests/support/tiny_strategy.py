@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from specblock.data.world import shutdown_distributed
 from specblock.train.checkpoint import find_latest, read_model_state
 from specblock.train.optim import OptimConfig
 from specblock.train.strategy import StepOutput
@@ -140,6 +141,7 @@ def main(out: Path, expected_type: str, mixed_precision: str) -> None:
     assert state.num_processes == 2, state.num_processes
     assert expected_type in result["distributed_type"], result["distributed_type"]
     (out / f"result_rank{state.process_index}.json").write_text(json.dumps(result, indent=1))
+    shutdown_distributed()  # as `python -m specblock.train` ends
 
 
 if __name__ == "__main__":
