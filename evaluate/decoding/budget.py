@@ -94,6 +94,11 @@ LOAD_MIN, LOAD_MAX = 0.25, 4.0
 # accepted_i) / (LOOKUP_PRIOR + drafted_i), measured per depth over the iterations so far
 LOOKUP_PRIOR, LOOKUP_PRIOR_RATE = 2.0, 0.5
 GATE_MIN = 4  # tree+lookup: iterations with a chain and the drafter measured before the chain may go alone
+# a tree without a chain: drafted iterations measured before the gate may take a plain step. An answer's
+# first iterations are the hardest to draft (the quick SpecBlock drafter on 2 GSM8K prompts: 0-1 nodes accepted
+# in each answer's first 4 iterations, ~0.25 a call, then 0.6-0.9): at 4 they closed the gate for 7-14
+# iterations at the start of a fresh decoder (session 43); an untrained drafter costs 16 calls once
+SOLO_MIN = 16
 # a drafter that does not pay is still asked every PROBE_EVERY-th iteration, so that the gate sees a change
 # (another kind of text, a better stretch of the drafter) instead of deciding once for the whole generation
 PROBE_EVERY = 8
@@ -441,11 +446,11 @@ class AutoBudget:
           forward(1 + b)), g, b, d the decayed means over the iterations where the drafter ran without a
           chain: a drafter whose acceptance does not pay for its call (and for the wider forward) is not
           called, until a probe finds it paying again.
-        The drafter runs until GATE_MIN such iterations are measured, and at least every PROBE_EVERY-th
-        iteration (the measurements go on). The choice reads past iterations only, never this iteration's
+        The drafter runs until GATE_MIN (with a chain; SOLO_MIN without) such iterations are measured, and
+        at least every PROBE_EVERY-th iteration (the measurements go on). The choice reads past iterations only, never this iteration's
         draft, so the output stays exact (any draft tree, the empty one included, is valid)."""
         k = self.gate_iterations if n else self.solo_iterations
-        if k < GATE_MIN or self.since_drafter + 1 >= PROBE_EVERY:
+        if k < (GATE_MIN if n else SOLO_MIN) or self.since_drafter + 1 >= PROBE_EVERY:
             return self._drafter()
         other = self.other_ms / self.other_weight if self.other_weight else 0.0
         if n:

@@ -182,7 +182,7 @@ def test_auto_tree_takes_plain_steps_where_the_drafter_does_not_pay(greedy_setup
             target, ds["eagle3"], DecodeConfig("tree", temperature=0.0, max_new_tokens=24, tree=tree)
         )
         auto = dec.auto
-        auto.solo_iterations, auto.solo_weight = 10, 10.0
+        auto.solo_iterations, auto.solo_weight = budget.SOLO_MIN, 10.0
         auto.solo_gain, auto.solo_nodes, auto.solo_ms = gain, 20.0, 10 * ms
         out = dec.generate(PROMPT)
         assert out.tokens == ref

@@ -10,6 +10,7 @@ from omegaconf import OmegaConf
 from specblock.evaluate.decoding.budget import (
     FIXED_MIN,
     GATE_MIN,
+    SOLO_MIN,
     PROBE_EVERY,
     AutoBudget,
     ForwardCurve,
@@ -156,12 +157,12 @@ def test_more_tree_rounds_only_while_they_can_pay():
 
 
 def test_the_gate_without_a_chain_weighs_a_plain_step_against_the_drafter():
-    """No lookup chain (a tree with budget=auto): a plain step 1 / forward(1) against (1 + g) / (d +
-    forward(1 + b)) with the drafter's decayed means; every PROBE_EVERY-th iteration asks the drafter anyway,
-    and probes that find it paying open the gate again."""
+    """No lookup chain (a tree with budget=auto): after SOLO_MIN drafted iterations, a plain step 1 /
+    forward(1) against (1 + g) / (d + forward(1 + b)) with the drafter's decayed means; every PROBE_EVERY-th
+    iteration asks the drafter anyway, and probes that find it paying open the gate again."""
     auto = AutoBudget(curve=ForwardCurve([1, 64], [50.0, 50.0 + 63 * 2.0]))
-    assert auto.lookup_alone(0) is None  # nothing measured yet: draft
-    for _ in range(GATE_MIN):
+    for _ in range(SOLO_MIN):  # an answer's first iterations (the hardest to draft) are measured, not judged
+        assert auto.lookup_alone(0) is None
         auto.observe_solo(0, 4, 0.010)  # 4 nodes verified, none accepted, 10 ms a call
     decisions = [auto.lookup_alone(0) for _ in range(2 * PROBE_EVERY)]
     assert decisions == ([0] * (PROBE_EVERY - 1) + [None]) * 2 and auto.skipped == 2 * (PROBE_EVERY - 1)
