@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import types
 
 import torch
 
@@ -36,14 +35,7 @@ DEFAULTS = [
 
 def with_decay(decay: float):
     def variant(dec):
-        def observe_solo(self, gain, nodes, seconds):
-            self.solo_iterations += 1
-            self.solo_gain = decay * self.solo_gain + gain
-            self.solo_nodes = decay * self.solo_nodes + nodes
-            self.solo_ms = decay * self.solo_ms + seconds * 1e3
-            self.solo_weight = decay * self.solo_weight + 1.0
-
-        dec.auto.observe_solo = types.MethodType(observe_solo, dec.auto)
+        dec.auto.gate_decay = decay
         return dec
 
     return variant
@@ -53,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging()
     ap = argparse.ArgumentParser(add_help=False)
     ap.add_argument(
-        "--decays", type=float, nargs="+", default=[0.95], help="SOLO_DECAY values beside the default"
+        "--decays", type=float, nargs="+", default=[0.8], help="GATE_DECAY values beside today's (budget.py)"
     )
     ap.add_argument("--base", default="tree@auto", help="the gated method the variants start from")
     ours, rest = ap.parse_known_args(sys.argv[1:] if argv is None else argv)

@@ -95,9 +95,9 @@ LOAD_MIN, LOAD_MAX = 0.25, 4.0
 LOOKUP_PRIOR, LOOKUP_PRIOR_RATE = 2.0, 0.5
 GATE_MIN = 4  # tree+lookup: iterations with a chain and the drafter measured before the chain may go alone
 # a tree without a chain: drafted iterations measured before the gate may take a plain step. An answer's
-# first iterations are the hardest to draft (the quick SpecBlock drafter on 2 GSM8K prompts: 0-1 nodes accepted
-# in each answer's first 4 iterations, ~0.25 a call, then 0.6-0.9): at 4 they closed the gate for 7-14
-# iterations at the start of a fresh decoder (session 43); an untrained drafter costs 16 calls once
+# first iterations are the hardest to draft (the quick SpecBlock drafter on 2 GSM8K prompts: 0-1 nodes
+# accepted in each answer's first 4 iterations, ~0.25 a call, then 0.6-0.9): at 4 they closed the gate for
+# 7-14 iterations at the start of a fresh decoder (session 43); an untrained drafter costs 16 calls once
 SOLO_MIN = 16
 # a drafter that does not pay is still asked every PROBE_EVERY-th iteration, so that the gate sees a change
 # (another kind of text, a better stretch of the drafter) instead of deciding once for the whole generation
@@ -227,6 +227,7 @@ class AutoBudget:
     solo_nodes: float = 0.0  # opens it, a probe that fails closes it): accepted nodes, nodes verified,
     solo_ms: float = 0.0  # drafter ms (catching up on the verified positions, and the rounds), and the
     solo_weight: float = 0.0  # weights
+    gate_decay: float = GATE_DECAY  # their decay per drafted iteration (scripts/ab_gate_memory.py varies it)
     skipped: int = 0  # iterations the gate decided without the drafter (plain steps or a chain alone)
     since_drafter: int = 0  # consecutive such iterations (PROBE_EVERY)
     # trees: what the further drafter rounds were measured to add, per round r >= 1 (r = 1: the tree's
@@ -447,8 +448,9 @@ class AutoBudget:
           chain: a drafter whose acceptance does not pay for its call (and for the wider forward) is not
           called, until a probe finds it paying again.
         The drafter runs until GATE_MIN (with a chain; SOLO_MIN without) such iterations are measured, and
-        at least every PROBE_EVERY-th iteration (the measurements go on). The choice reads past iterations only, never this iteration's
-        draft, so the output stays exact (any draft tree, the empty one included, is valid)."""
+        at least every PROBE_EVERY-th iteration (the measurements go on). The choice reads past iterations
+        only, never this iteration's draft, so the output stays exact (any draft tree, the empty one
+        included, is valid)."""
         k = self.gate_iterations if n else self.solo_iterations
         if k < (GATE_MIN if n else SOLO_MIN) or self.since_drafter + 1 >= PROBE_EVERY:
             return self._drafter()
@@ -479,10 +481,11 @@ class AutoBudget:
         """An iteration without a lookup chain ran the drafter: it accepted `gain` nodes of the `nodes` it
         verified and spent `seconds` drafting."""
         self.solo_iterations += 1
-        self.solo_gain = GATE_DECAY * self.solo_gain + gain
-        self.solo_nodes = GATE_DECAY * self.solo_nodes + nodes
-        self.solo_ms = GATE_DECAY * self.solo_ms + seconds * 1e3
-        self.solo_weight = GATE_DECAY * self.solo_weight + 1.0
+        decay = self.gate_decay
+        self.solo_gain = decay * self.solo_gain + gain
+        self.solo_nodes = decay * self.solo_nodes + nodes
+        self.solo_ms = decay * self.solo_ms + seconds * 1e3
+        self.solo_weight = decay * self.solo_weight + 1.0
 
     def observe_gate(self, gain: int, nodes: int, seconds: float) -> None:
         """tree+lookup: an iteration that ran the drafter beside a chain accepted `gain` nodes the chain
