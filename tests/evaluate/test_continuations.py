@@ -10,7 +10,8 @@ import torch
 
 from specblock.evaluate.decoding.continuations import LawBook
 from specblock.evaluate.decoding.loop import DecodeConfig, SpeculativeDecoder
-from specblock.evaluate.verify.continuation import RGBVContinuation, Stage, row_law
+from specblock.evaluate.verify.continuation import Coupling, RGBVContinuation, RowLaw, Stage, row_law
+from specblock.evaluate.verify.residuals import Rows, residual_law, residual_masses
 
 from tiny_decoding import PROMPT, drafters, tiny_target
 
@@ -102,3 +103,48 @@ def test_frozen_levels_do_not_pile_up():
         LawBook.carry = carry
     assert longest[0] > 2 * (L + 1)  # long enough that unpruned levels would exceed the bound
     assert max(seen) <= L + 1
+
+
+def beyond_case(V: int = 64, seed: int = 2):
+    """q, p [2, V] float32 laws (p zero on every 4th token) and lams (one past float32's range, one not):
+    the rows a long chain of unlikely tokens leaves (lam = 1 / a running ratio below 1e-38)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.softmax(torch.randn(2, V, generator=gen), -1)
+    p = torch.softmax(torch.randn(2, V, generator=gen), -1)
+    p[:, ::4] = 0.0
+    p /= p.sum(-1, keepdim=True)
+    return q, p, [1e39, 0.7]
+
+
+def test_final_laws_leave_float32_where_lam_is_past_its_range():
+    """`Coupling._final_laws` with a lam beyond float32 (`beyond`): the row is (q - lam p)_+ / S(lam) made in
+    float64, finite and normalised (in float32 lam is inf and inf * 0 is NaN where p = 0), and the other rows
+    keep the batched float32 arithmetic."""
+    q, p, lams = beyond_case()
+    masses = residual_masses(q, p, lams)
+    coupling = Coupling(Rows(lambda y: q[0], lambda y: p[0]), horizon=4)
+    ys = [(3,), (5,)]
+    coupling._final_laws(ys, q, p, [(0.5, lam, None, s) for lam, s in zip(lams, masses)])
+    far, near = coupling.final[ys[0]], coupling.final[ys[1]]
+    assert far.dtype == torch.float32 and torch.isfinite(far).all()
+    expected = q[0].double() * (p[0] == 0)  # only p = 0 survives lam = 1e39
+    assert torch.allclose(far.double(), expected / expected.sum(), atol=1e-7)
+    assert torch.equal(near, residual_law(q[1], p[1], lams[1]).div_(masses[1]))
+    naive = torch.addcmul(q[:1], p[:1], torch.tensor([[lams[0]]]), value=-1.0).clamp_(min=0)
+    assert not torch.isfinite(naive).all()  # what the branch avoids
+
+
+def test_a_continuation_row_past_float32_is_made_in_float64():
+    """RGBVContinuation's own row (the prefix not prepared in a batch) with a lam beyond float32: the law
+    (q - lam p)_+ / S(lam) from float64, returned in q's dtype and written into `out` when given."""
+    q, p, lams = beyond_case()
+    cont = RGBVContinuation((Stage((1, 2, 0), 0),), horizon=3)
+    target_at, draft_at = (lambda y: q[0]), (lambda y: p[0])
+    coupling = cont._coupling(target_at, draft_at)
+    coupling._law[(1, ())] = RowLaw(lam=lams[0])  # the row after the stage, as a long chain leaves it
+    expected = q[0].double() * (p[0] == 0)
+    out = torch.empty_like(q[0])
+    got = cont((), target_at, draft_at, out=out)
+    assert got.dtype == torch.float32 and torch.isfinite(got).all()
+    assert torch.allclose(got.double(), expected / expected.sum(), atol=1e-7)
+    assert torch.equal(out, got)
