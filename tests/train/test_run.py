@@ -334,17 +334,17 @@ def test_experiment_drafter_files_name_an_experiment_and_a_drafter():
 
 def test_quick_specialises_specblock_and_leaves_eagle3():
     """The quick recipe gives SpecBlock one decoder layer and 820 steps on rows cut where they repeat
-    (experiment_drafter/quick_specblock.yaml), EAGLE-3 keeps quick.yaml's 150 on whole rows; both read one
-    capped feature cache (the same data config: the first run captures, the second finds it); other
-    experiments and command-line overrides are untouched."""
+    (experiment_drafter/quick_specblock.yaml), EAGLE-3 240 on the same cut rows (quick_eagle3.yaml); both
+    read one capped feature cache (the same data config: the first run captures, the second finds it);
+    other experiments and command-line overrides are untouched."""
     sb, e3 = (compose_train("experiment=quick", f"drafter={d}") for d in ("specblock", "eagle3"))
     assert (sb["drafter"]["num_layers"], sb["trainer"]["max_steps"], sb["loss"]["curriculum"]["end"]) == (
         1,
         820,
         410,
     )
-    assert (sb["cut_repeats"], e3["cut_repeats"]) == (32, 0)  # the cut is the trainer's, after the cache
-    assert e3["trainer"]["max_steps"] == 150 and e3["loss"]["curriculum"]["end"] == 75
+    assert sb["cut_repeats"] == e3["cut_repeats"] == 32  # the cut is the trainer's, after the shared cache
+    assert e3["trainer"]["max_steps"] == 240 and e3["loss"]["curriculum"]["end"] == 120
     assert sb["trainer"]["micro_batch_size"] == e3["trainer"]["micro_batch_size"] == 4  # quick.yaml's, kept
     assert sb["features"] == e3["features"] == "offline" and sb["data"] == e3["data"]
     assert sb["data"]["features"]["enabled"] and sb["data"]["features"]["max_rows"] == 840
