@@ -332,7 +332,7 @@ def test_experiment_drafter_files_name_an_experiment_and_a_drafter():
     assert found and set(found) <= pairs
 
 
-def test_quick_specialises_specblock_and_leaves_eagle3():
+def test_quick_specialises_each_drafter_on_one_cut_cache():
     """The quick recipe gives SpecBlock one decoder layer and 820 steps on rows cut where they repeat
     (experiment_drafter/quick_specblock.yaml), EAGLE-3 240 on the same cut rows (quick_eagle3.yaml); both
     read one capped feature cache (the same data config: the first run captures, the second finds it);
@@ -343,7 +343,8 @@ def test_quick_specialises_specblock_and_leaves_eagle3():
         820,
         410,
     )
-    assert sb["cut_repeats"] == e3["cut_repeats"] == 32  # the cut is the trainer's, after the shared cache
+    # quick.yaml's cut, made by the trainer after reading the one shared cache
+    assert sb["cut_repeats"] == e3["cut_repeats"] == 32
     assert e3["trainer"]["max_steps"] == 240 and e3["loss"]["curriculum"]["end"] == 120
     assert sb["trainer"]["micro_batch_size"] == e3["trainer"]["micro_batch_size"] == 4  # quick.yaml's, kept
     assert sb["features"] == e3["features"] == "offline" and sb["data"] == e3["data"]
