@@ -1,11 +1,15 @@
-"""scripts/scaling_curve.py: which checkpoints a curve evaluates now and which cached evaluations it rereads."""
+"""scripts/scaling_curve.py: which checkpoints a curve evaluates now and which cached evaluations it rereads;
+scripts/curve_projection.py: the fitted gain per doubling of the tokens and where it reaches a target."""
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
 import json
+import math
 from pathlib import Path
+
+import pytest
 
 _spec = importlib.util.spec_from_file_location(
     "scaling_curve", Path(__file__).resolve().parents[2] / "scripts" / "scaling_curve.py"
@@ -152,3 +156,36 @@ def test_a_point_missing_sets_stops_the_curve_naming_them(tmp_path, monkeypatch)
         assert "gsm8k, mgsm, lm1b, alpaca" in str(exc) and "SPECBLOCK_DATASETS" in str(exc)
     else:
         raise AssertionError("a curve point without most of its sets was drawn")
+
+
+_proj_spec = importlib.util.spec_from_file_location(
+    "curve_projection", Path(__file__).resolve().parents[2] / "scripts" / "curve_projection.py"
+)
+projection = importlib.util.module_from_spec(_proj_spec)
+_proj_spec.loader.exec_module(projection)
+
+
+def test_projection_fits_gain_per_doubling_and_where_the_line_reaches_the_target():
+    # overall = 1.0 + 0.1 * log2(tokens / 1000) exactly; GSM8K flat: never reaches its target
+    points = [
+        {"run": "r", "tokens": t, "minutes": t / 1000, "tree_overall": 1.0 + 0.1 * math.log2(t / 1000),
+         "tree_gsm8k": 1.5}
+        for t in (1000, 4000, 16000)
+    ] + [{"run": "short", "tokens": 10, "minutes": 1, "tree_overall": 1.0, "tree_gsm8k": 1.0}]  # fmt: skip
+    rows = projection.project(points, {"gsm8k": 2.5, "overall": 1.5})
+    assert [r["run"] for r in rows] == ["r"]  # one point is not a curve
+    overall = rows[0]["overall"]
+    assert math.isclose(overall["gain_per_doubling"], 0.1)
+    assert math.isclose(overall["last_gain_per_doubling"], 0.1)
+    assert math.isclose(overall["tokens_needed"], 1000 * 2**5)  # 1.0 + 0.1 * 5 = 1.5
+    assert math.isclose(overall["times_last_tokens"], 2.0)
+    assert math.isclose(overall["minutes_needed"], 32.0)  # the run's 1000 tokens a minute
+    assert rows[0]["gsm8k"]["tokens_needed"] is None
+    text = projection.table(rows)
+    assert "| r | 3 (1,000-16,000) | overall 1.50 | 1.40 | +0.100, +0.100 | 32,000 tokens | 2 | 1 |" in text
+    assert "never (not rising)" in text
+
+
+def test_projection_refuses_a_fit_without_two_token_counts():
+    with pytest.raises(ValueError, match="two or more distinct token counts"):
+        projection.log_fit([5, 5], [1.0, 2.0])
