@@ -1,0 +1,106 @@
+"""A training corpus that mixes the committed regenerated ShareGPT rows with questions of GSM8K's TRAIN split
+(never the test split the evaluation reads), one math question every `--every` rows, so that a feature
+cache of the first N rows (the quick recipe's `data.features.max_rows`) holds the same share. It seeds the
+data folder with the ShareGPT rows' finished answers, so the data stage regenerates only the math questions.
+
+    SPECBLOCK_DATASETS=../shared/datasets python scripts/mix_corpus.py --out checkpoints/data/mix-sg630-gsm210
+    python -m specblock.train experiment=quick drafter=specblock run_name=quick_mix-specblock \\
+      data.run_name=mix-sg630-gsm210 data.out_dir=checkpoints/data/mix-sg630-gsm210 \\
+      data.corpus.source=checkpoints/data/mix-sg630-gsm210/corpus.jsonl data.corpus.limit=null
+
+Writes OUT/corpus.jsonl (messages format: {"id", "messages"}; the GSM8K rows' reference answers are there
+only as the format's assistant turn, the data stage answers them again) and OUT/regenerated.jsonl (the
+ShareGPT rows as the 2k set's regeneration left them; an existing file is refused). Session 45 measured it
+against the quick recipe (README "The main job, measured").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+from pathlib import Path
+
+REGEN_2K = Path("checkpoints/data/smollm2-sharegpt-regen-2k/regenerated.jsonl")
+
+
+def gsm8k_rows(path: Path, count: int, seed: int) -> list[dict]:
+    """`count` GSM8K rows ({question, answer} json lines) in a seeded shuffle, as messages rows."""
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            row = json.loads(line)
+            if not isinstance(row.get("question"), str) or not isinstance(row.get("answer"), str):
+                raise SystemExit(
+                    f"{path}, row {line_no}: field 'question' or 'answer' is missing or not text"
+                )
+            rows.append(row)
+    if count > len(rows):
+        raise SystemExit(f"{path}: {count} questions asked, the file holds {len(rows)}")
+    random.Random(seed).shuffle(rows)
+    return [
+        {
+            "id": f"gsm8k-train-{i}",
+            "messages": [
+                {"role": "user", "content": r["question"]},
+                {"role": "assistant", "content": r["answer"]},
+            ],
+        }
+        for i, r in enumerate(rows[:count])
+    ]
+
+
+def interleave(main: list, extra: list) -> list:
+    """main and extra in one list, extra spread evenly: extra's k-th row (0-based) sits at the first
+    position p with p + 1 >= (k + 1) * (len(main) + len(extra)) / len(extra)."""
+    every = (len(main) + len(extra)) / len(extra) if extra else 0
+    out, i, k = [], 0, 0
+    for p in range(len(main) + len(extra)):
+        if k < len(extra) and p + 1 >= (k + 1) * every:
+            out.append(extra[k])
+            k += 1
+        else:
+            out.append(main[i])
+            i += 1
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True, help="the data folder (the run's data.out_dir)")
+    ap.add_argument("--sharegpt-rows", type=int, default=630, help="the 2k set's first rows, in file order")
+    ap.add_argument("--gsm8k-rows", type=int, default=210)
+    local = os.environ.get("SPECBLOCK_DATASETS")
+    ap.add_argument(
+        "--gsm8k", type=Path, default=Path(local) / "gsm8k" / "train.jsonl" if local else None,
+        help="GSM8K's train split as json lines (default: $SPECBLOCK_DATASETS/gsm8k/train.jsonl)",
+    )  # fmt: skip
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    if args.gsm8k is None or not args.gsm8k.is_file():
+        raise SystemExit(f"GSM8K's train split not found at {args.gsm8k} (set --gsm8k or SPECBLOCK_DATASETS)")
+    with open(REGEN_2K, encoding="utf-8") as f:
+        sharegpt = [json.loads(line) for line in f][: args.sharegpt_rows]
+    if len(sharegpt) < args.sharegpt_rows:
+        raise SystemExit(f"{REGEN_2K}: {args.sharegpt_rows} rows asked, it holds {len(sharegpt)}")
+    rows = interleave(
+        [{"id": r["id"], "messages": r["turns"]} for r in sharegpt],
+        gsm8k_rows(args.gsm8k, args.gsm8k_rows, args.seed),
+    )
+    args.out.mkdir(parents=True, exist_ok=True)
+    seeded = args.out / "regenerated.jsonl"
+    if seeded.exists():
+        raise SystemExit(f"{seeded} exists: this folder was made already (remove it to start again)")
+    for name, lines in (
+        ("corpus.jsonl", [json.dumps(r, ensure_ascii=False) + "\n" for r in rows]),
+        ("regenerated.jsonl", [json.dumps(r, ensure_ascii=False) + "\n" for r in sharegpt]),
+    ):
+        tmp = args.out / f".{name}.tmp"
+        tmp.write_text("".join(lines), encoding="utf-8")
+        tmp.replace(args.out / name)
+    print(f"{args.out}: {len(rows)} rows ({len(sharegpt)} ShareGPT, {args.gsm8k_rows} GSM8K train)")
+
+
+if __name__ == "__main__":
+    main()
