@@ -1,16 +1,22 @@
-"""A training corpus that mixes the committed regenerated ShareGPT rows with questions of GSM8K's TRAIN split
-(never the test split the evaluation reads), one math question every `--every` rows, so that a feature
-cache of the first N rows (the quick recipe's `data.features.max_rows`) holds the same share. It seeds the
+"""A training corpus that mixes regenerated ShareGPT rows (the committed 2k set's by default) with questions of
+GSM8K's TRAIN split (never the test split the evaluation reads), spread evenly, so that a feature cache of the
+first N rows (the quick recipe's `data.features.max_rows`) holds the same share. It seeds the
 data folder with the ShareGPT rows' finished answers, so the data stage regenerates only the math questions.
 
     SPECBLOCK_DATASETS=../shared/datasets python scripts/mix_corpus.py --out checkpoints/data/mix-sg630-gsm210
     python -m specblock.train experiment=quick drafter=specblock run_name=quick_mix-specblock \\
       data.run_name=mix-sg630-gsm210 data.out_dir=checkpoints/data/mix-sg630-gsm210 \\
       data.corpus.source=checkpoints/data/mix-sg630-gsm210/corpus.jsonl data.corpus.limit=null
+    # the cpu_full scale: every row of the 6k set and 1,600 questions (~18 %), then cpu_full_6k_cut's recipe
+    python scripts/mix_corpus.py --out checkpoints/data/mix-6k-gsm1600 --sharegpt-rows 7097 --gsm8k-rows 1600 \
+      --sharegpt checkpoints/data/smollm2-sharegpt-regen-6k/regenerated.jsonl
+    python -m specblock.train experiment=cpu_full_6k_cut run_name=cpu_full_6k_mix-specblock resume=latest \
+      data.run_name=mix-6k-gsm1600 data.out_dir=checkpoints/data/mix-6k-gsm1600 \
+      data.corpus.source=checkpoints/data/mix-6k-gsm1600/corpus.jsonl data.corpus.limit=null
 
 Writes OUT/corpus.jsonl (messages format: {"id", "messages"}; the GSM8K rows' reference answers are there
 only as the format's assistant turn, the data stage answers them again) and OUT/regenerated.jsonl (the
-ShareGPT rows as the 2k set's regeneration left them; an existing file is refused). Session 45 measured it
+ShareGPT rows as their regeneration left them; an existing file is refused). Session 45 measured it
 against the quick recipe (README "The main job, measured").
 """
 
@@ -69,7 +75,11 @@ def interleave(main: list, extra: list) -> list:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True, help="the data folder (the run's data.out_dir)")
-    ap.add_argument("--sharegpt-rows", type=int, default=630, help="the 2k set's first rows, in file order")
+    ap.add_argument(
+        "--sharegpt", type=Path, default=REGEN_2K,
+        help="a regenerated.jsonl of ShareGPT rows (default: the committed 2k set's; the 6k set's for cpu_full)",
+    )  # fmt: skip
+    ap.add_argument("--sharegpt-rows", type=int, default=630, help="its first rows, in file order")
     ap.add_argument("--gsm8k-rows", type=int, default=210)
     local = os.environ.get("SPECBLOCK_DATASETS")
     ap.add_argument(
@@ -80,10 +90,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.gsm8k is None or not args.gsm8k.is_file():
         raise SystemExit(f"GSM8K's train split not found at {args.gsm8k} (set --gsm8k or SPECBLOCK_DATASETS)")
-    with open(REGEN_2K, encoding="utf-8") as f:
+    with open(args.sharegpt, encoding="utf-8") as f:
         sharegpt = [json.loads(line) for line in f][: args.sharegpt_rows]
     if len(sharegpt) < args.sharegpt_rows:
-        raise SystemExit(f"{REGEN_2K}: {args.sharegpt_rows} rows asked, it holds {len(sharegpt)}")
+        raise SystemExit(f"{args.sharegpt}: {args.sharegpt_rows} rows asked, it holds {len(sharegpt)}")
     rows = interleave(
         [{"id": r["id"], "messages": r["turns"]} for r in sharegpt],
         gsm8k_rows(args.gsm8k, args.gsm8k_rows, args.seed),
