@@ -51,11 +51,11 @@ def project(points: list[dict], targets: dict[str, float], min_points: int = 3) 
             continue
         last, before = mine[-1], mine[-2]
         per_minute = last["tokens"] / last["minutes"] if last.get("minutes") else None
+        span = math.log2(last["tokens"] / before["tokens"])
         row = {"run": run, "points": len(mine), "tokens": (mine[0]["tokens"], last["tokens"])}
         for name, target in targets.items():
             key = KEYS[name]
             a, b = log_fit([p["tokens"] for p in mine], [p[key] for p in mine])
-            span = math.log2(last["tokens"] / before["tokens"])
             need = tokens_to_reach(a, b, target)
             row[name] = {
                 "target": target,

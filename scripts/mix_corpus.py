@@ -28,32 +28,22 @@ import os
 import random
 from pathlib import Path
 
+from specblock.data.corpora import CorpusConfig, load_conversations
+from specblock.data.io import atomic_path
+from specblock.data.regenerate import jsonl_line
+
 REGEN_2K = Path("checkpoints/data/smollm2-sharegpt-regen-2k/regenerated.jsonl")
 
 
 def gsm8k_rows(path: Path, count: int, seed: int) -> list[dict]:
-    """`count` GSM8K rows ({question, answer} json lines) in a seeded shuffle, as messages rows."""
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            row = json.loads(line)
-            if not isinstance(row.get("question"), str) or not isinstance(row.get("answer"), str):
-                raise SystemExit(
-                    f"{path}, row {line_no}: field 'question' or 'answer' is missing or not text"
-                )
-            rows.append(row)
-    if count > len(rows):
-        raise SystemExit(f"{path}: {count} questions asked, the file holds {len(rows)}")
-    random.Random(seed).shuffle(rows)
+    """`count` GSM8K rows ({question, answer} json lines, read as the data stage reads the `qa` format: a bad
+    row raises BadInputError naming file, row and field) in a seeded shuffle, as messages rows."""
+    conversations = load_conversations(CorpusConfig(source=str(path), format="qa"))
+    if count > len(conversations):
+        raise SystemExit(f"{path}: {count} questions asked, the file holds {len(conversations)}")
+    random.Random(seed).shuffle(conversations)
     return [
-        {
-            "id": f"gsm8k-train-{i}",
-            "messages": [
-                {"role": "user", "content": r["question"]},
-                {"role": "assistant", "content": r["answer"]},
-            ],
-        }
-        for i, r in enumerate(rows[:count])
+        {"id": f"gsm8k-train-{i}", "messages": turns} for i, (_, turns) in enumerate(conversations[:count])
     ]
 
 
@@ -102,13 +92,11 @@ def main() -> None:
     seeded = args.out / "regenerated.jsonl"
     if seeded.exists():
         raise SystemExit(f"{seeded} exists: this folder was made already (remove it to start again)")
-    for name, lines in (
-        ("corpus.jsonl", [json.dumps(r, ensure_ascii=False) + "\n" for r in rows]),
-        ("regenerated.jsonl", [json.dumps(r, ensure_ascii=False) + "\n" for r in sharegpt]),
-    ):
-        tmp = args.out / f".{name}.tmp"
-        tmp.write_text("".join(lines), encoding="utf-8")
-        tmp.replace(args.out / name)
+    # corpus.jsonl first: regenerated.jsonl, renamed into place last, is what marks the folder made
+    with atomic_path(args.out / "corpus.jsonl") as tmp:
+        tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    with atomic_path(seeded) as tmp:
+        tmp.write_text("".join(jsonl_line(r["id"], r["turns"]) for r in sharegpt), encoding="utf-8")
     print(f"{args.out}: {len(rows)} rows ({len(sharegpt)} ShareGPT, {args.gsm8k_rows} GSM8K train)")
 
 

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from specblock.data.errors import BadInputError
+
 _spec = importlib.util.spec_from_file_location(
     "mix_corpus", Path(__file__).resolve().parents[1] / "scripts" / "mix_corpus.py"
 )
@@ -36,5 +38,5 @@ def test_gsm8k_rows_are_seeded_and_bad_rows_named(tmp_path):
     with pytest.raises(SystemExit, match="holds 6"):
         mix.gsm8k_rows(path, 7, seed=0)
     path.write_text(json.dumps({"question": "q"}) + "\n")
-    with pytest.raises(SystemExit, match=r"train.jsonl, row 1: field 'question' or 'answer'"):
+    with pytest.raises(BadInputError, match=r"train.jsonl, row 0, field 'answer': missing field"):
         mix.gsm8k_rows(path, 1, seed=0)
