@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
 
 from .capture import CaptureConfig
 from .corpora import CorpusConfig
@@ -14,6 +16,20 @@ from .target import TargetConfig
 
 # the token shards' folder under the data stage's out_dir (FeaturesConfig.subdir names the feature cache's)
 TOKENS_SUBDIR = "tokens"
+# local copies of public datasets (the evaluation's local_root=auto reads the same variable)
+DATASETS_ENV = "SPECBLOCK_DATASETS"
+
+
+def local_or_hub(relative: str, hub_id: str) -> str:
+    """The YAML resolver `${local_or_hub:gsm8k/train.jsonl,openai/gsm8k}`: $SPECBLOCK_DATASETS/<relative>
+    when that variable is set (offline machines; a missing file is then named by the corpus loader), else
+    the hub id (with the corpus config's split and subset)."""
+    root = os.environ.get(DATASETS_ENV)
+    return str(Path(root).expanduser() / relative) if root else hub_id
+
+
+if not OmegaConf.has_resolver("local_or_hub"):
+    OmegaConf.register_new_resolver("local_or_hub", local_or_hub)
 
 
 @dataclass
@@ -51,6 +67,9 @@ class PrepareConfig:
     target: TargetConfig = field(default_factory=TargetConfig)
     # on_bad_row=skip: the packaged ShareGPT file ends in a cut row and holds empty conversations
     corpus: CorpusConfig = field(default_factory=lambda: CorpusConfig(limit=32, on_bad_row="skip"))
+    # more corpora, each drawn by its own config and spread evenly among corpus's conversations (in order;
+    # data/corpora.py load_mixture), e.g. the questions of an evaluated domain's train split
+    mix: list[CorpusConfig] = field(default_factory=list)
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
     features: FeaturesConfig = field(default_factory=FeaturesConfig)
 

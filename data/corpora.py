@@ -23,17 +23,20 @@ Whole-file problems (empty file, not json rows, unknown schema) always raise.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from dataclasses import dataclass
 from functools import partial
 from importlib import resources
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 from tqdm import tqdm
 
 from .errors import ON_BAD_ROW, BadInputError, RowPolicy
 from .io import subsample
+
+log = logging.getLogger(__name__)
 
 Turn = dict[str, str]
 Conversation = tuple[str, list[Turn]]  # (row id, turns)
@@ -114,6 +117,47 @@ def load_conversations(cfg: CorpusConfig, policy: RowPolicy | None = None) -> li
     if not conversations:
         raise BadInputError(cfg.source, None, None, f"no usable conversations ({policy.summary()})")
     return subsample(conversations, cfg.limit, cfg.seed)
+
+
+def load_mixture(
+    corpus: CorpusConfig, mix: Sequence[CorpusConfig], policy: RowPolicy | None = None
+) -> list[Conversation]:
+    """`corpus`'s conversations with those of every corpus in `mix` (`data.mix`) spread evenly among them,
+    one after another (`interleave`), so that any leading share of the rows (a feature cache's `max_rows`, the
+    first steps of an epoch) holds about the same mixture. `policy` takes `corpus`'s bad rows; each mixed
+    corpus applies its own `on_bad_row` and logs its summary. A conversation id found in two corpora raises
+    BadInputError naming both (regeneration and the token shards key rows by id)."""
+    conversations = load_conversations(corpus, policy)
+    source_of = {cid: corpus.source for cid, _ in conversations}
+    for extra_cfg in mix:
+        extra_policy = RowPolicy(extra_cfg.on_bad_row)
+        extra = load_conversations(extra_cfg, extra_policy)
+        for cid, _ in extra:
+            if cid in source_of:
+                raise BadInputError(
+                    extra_cfg.source, None, "id",
+                    f"conversation id {cid!r} is also one of {source_of[cid]}'s: ids must be unique over "
+                    "data.corpus and data.mix",
+                )  # fmt: skip
+            source_of[cid] = extra_cfg.source
+        log.info(f"mix: {len(extra)} conversations of {extra_cfg.source} ({extra_policy.summary()})")
+        conversations = interleave(conversations, extra)
+    return conversations
+
+
+def interleave(main: list, extra: list) -> list:
+    """main and extra in one list, each in its own order, extra spread evenly: extra's k-th item (0-based)
+    sits at the first position p with p + 1 >= (k + 1) * (len(main) + len(extra)) / len(extra)."""
+    every = (len(main) + len(extra)) / len(extra) if extra else 0
+    out, i, k = [], 0, 0
+    for p in range(len(main) + len(extra)):
+        if k < len(extra) and p + 1 >= (k + 1) * every:
+            out.append(extra[k])
+            k += 1
+        else:
+            out.append(main[i])
+            i += 1
+    return out
 
 
 def default_sharegpt_path() -> Path:

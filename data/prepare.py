@@ -20,11 +20,11 @@ from tqdm.auto import tqdm
 
 from .capture import capture_features
 from .config import TOKENS_SUBDIR, PrepareConfig
-from .corpora import load_conversations
+from .corpora import load_mixture
 from .errors import BadInputError, RowPolicy
 from .manifest import Manifest, ManifestMismatchError, chat_template_hash, check, code_git_sha
 from .manifest import read_manifest, tokenizer_hash
-from .regenerate import BACKENDS, fitting_prompts, regenerate
+from .regenerate import BACKENDS, RegenerateConfig, fitting_prompts, regenerate, reuse_file
 from .shards import write_token_shards
 from .target import FeatureTarget, TargetConfig, load_target, load_tokenizer
 from .embedded import ensure_embedded_target
@@ -32,6 +32,8 @@ from .templates import TemplateMaskError, render_with_mask
 from .world import World
 
 log = logging.getLogger(__name__)
+# RegenerateConfig fields that do not change the answers (only their rounding, or where they come from)
+NOT_IN_RECIPE = ("backend", "weight_layout", "reuse")
 
 
 @dataclass
@@ -45,12 +47,15 @@ class PrepareResult:
 def expected_manifest(cfg: PrepareConfig, tokenizer) -> Manifest:
     """What the token shards of this config must record (checked against an existing folder). The
     regeneration backend and weight layout are left out of the recipe: they change only the rounding, and shards made
-    before it existed stay valid (so is a hub subset that is not set)."""
-    regenerate = {k: v for k, v in asdict(cfg.regenerate).items() if k not in ("backend", "weight_layout")}
+    before it existed stay valid (so is a hub subset that is not set); so are the files regeneration reuses
+    rows from (`regenerate.reuse`): a reused row is the answer these settings give its prompt."""
+    regenerate = {k: v for k, v in asdict(cfg.regenerate).items() if k not in NOT_IN_RECIPE}
     corpus = asdict(cfg.corpus)
     if corpus["subset"] is None:  # a field added later: shards made before it stay valid
         del corpus["subset"]
     recipe = {"corpus": corpus, "regenerate": regenerate}
+    if cfg.mix:  # added later too: only a mixture records it
+        recipe["mix"] = [asdict(m) for m in cfg.mix]
     return Manifest(
         kind="tokens",
         target_id=cfg.target.target_id,
@@ -152,7 +157,8 @@ def make_token_shards(
     out, policy = Path(cfg.out_dir), RowPolicy(cfg.corpus.on_bad_row)
     if cfg.regenerate.enabled:
         BACKENDS[cfg.regenerate.backend].check()  # before any work: a missing engine is named at once
-    conversations = load_conversations(cfg.corpus, policy)
+        check_reuse(cfg.regenerate, expected)
+    conversations = load_mixture(cfg.corpus, cfg.mix, policy)
     drawn = len(conversations)
     if cfg.regenerate.enabled:
         conversations = fitting_prompts(tokenizer, conversations, cfg.regenerate, policy)
@@ -164,9 +170,46 @@ def make_token_shards(
     if world.is_main:
         rows = tokenize(conversations, tokenizer, cfg.max_length, policy)
         log.info(
-            f"corpus: {drawn} conversations drawn (limit {cfg.corpus.limit}), {len(rows)} rows kept; "
+            f"corpus: {drawn} conversations drawn (limit {cfg.corpus.limit}"
+            f"{f', {len(cfg.mix)} corpora mixed in' if cfg.mix else ''}), {len(rows)} rows kept; "
             f"bad rows in the source and after filtering: {policy.summary()}"
         )
         write_token_shards(rows, out / TOKENS_SUBDIR, expected, cfg.shard_rows)
     world.barrier()  # the token shards exist for every rank
     return read_manifest(out / TOKENS_SUBDIR)
+
+
+# The regeneration settings a reused answer must share with this run's (`check_reuse`); the seed only when
+# sampling. The others change which prompts are kept, how they are batched or how the products round.
+ANSWER_SETTINGS = ("turns", "max_new_tokens", "temperature", "top_p", "seed")
+
+
+def check_reuse(cfg: RegenerateConfig, expected: Manifest) -> None:
+    """Refuses a `regenerate.reuse` entry whose data folder's token manifest records another target, chat
+    template or regeneration settings (ANSWER_SETTINGS), naming every differing field. An entry with no
+    manifest beside it (a bare regenerated.jsonl, or a folder not yet tokenized) is taken on trust, with a
+    warning saying so."""
+    for entry in cfg.reuse:
+        path = reuse_file(entry)
+        where = path.parent / TOKENS_SUBDIR / "manifest.json"
+        if not where.is_file():
+            log.warning(
+                f"regenerate.reuse: no token manifest at {where}, so {path}'s target and settings cannot be "
+                "checked: its answers are taken as this target's with these settings"
+            )
+            continue
+        found = read_manifest(where)
+        identity = ("target_id", "target_revision", "chat_template_hash")
+        check(found, {name: getattr(expected, name) for name in identity}, where=str(where))
+        ours, theirs = expected.extra["regenerate"], found.extra.get("regenerate", {})
+        names = [n for n in ANSWER_SETTINGS if n != "seed" or ours.get("temperature", 0) > 0]
+        diffs = [
+            f"  regenerate.{n}: expected {ours.get(n)!r} vs found {theirs.get(n)!r}"
+            for n in names
+            if ours.get(n) != theirs.get(n)
+        ]
+        if diffs:
+            raise ManifestMismatchError(
+                f"{where}: regenerate.reuse={entry} holds answers made with other settings:\n"
+                + "\n".join(diffs)
+            )

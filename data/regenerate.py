@@ -25,7 +25,7 @@ import logging
 import os
 import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -62,6 +62,11 @@ class RegenerateConfig:
     # weight_layout; a batch's decoding step multiplies batch_size rows, where MKL's packed product is
     # 15-30 % faster on the session-15 Xeon). Not part of the recipe either: only the rounding changes.
     weight_layout: str = "auto"
+    # regenerated.jsonl files (or data folders holding one) of earlier runs: a conversation whose prompt (its
+    # system turn and kept user turns) is a row's there takes that row's answers instead of being regenerated
+    # (`reuse_answers`). Not part of the recipe: the rows must come from the same target and settings, which
+    # prepare checks where the folder's token manifest records them.
+    reuse: list[str] = field(default_factory=list)
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -232,6 +237,9 @@ def regenerate(
     """
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
+    if cfg.reuse and world.is_main:  # before any rank starts: every rank then finds these rows done
+        reuse_answers(conversations, out_path, cfg)
+    world.barrier()
     sink = out_path if world.size == 1 else part_path(out_path, world.rank)
     done = read_done(sink)
     for other in [out_path, *part_paths(out_path)]:  # rows finished by earlier runs, whatever their ranks
@@ -250,6 +258,45 @@ def regenerate(
         return []
     done = merge_parts(out_path, conversations)
     return [(cid, done[cid]) for cid, _ in conversations]
+
+
+def prompt_key(turns: list[Turn], keep: int) -> str:
+    """What a regenerated answer depends on besides the settings: the system turn and the first `keep` user
+    turns (`user_rounds`), as one string."""
+    system, users = user_rounds(turns, keep)
+    return json.dumps(system + users, ensure_ascii=False)
+
+
+def reuse_file(path: str | Path) -> Path:
+    """A `regenerate.reuse` entry as a file: a data folder means its regenerated.jsonl."""
+    path = Path(path).expanduser()
+    found = path / "regenerated.jsonl" if path.is_dir() else path
+    if not found.is_file():
+        raise FileNotFoundError(f"regenerate.reuse: no regenerated answers at {found}")
+    return found
+
+
+def reuse_answers(conversations: list[Conversation], out_path: Path, cfg: RegenerateConfig) -> int:
+    """Appends to out_path (one fsynced write, in input order) every conversation not yet in it whose prompt
+    (`prompt_key`) is a row's of a `cfg.reuse` file, with that row's turns; returns how many. The first file
+    that holds a prompt gives its answers."""
+    answers: dict[str, list[Turn]] = {}
+    for entry in cfg.reuse:
+        for turns in read_done(reuse_file(entry), repair=False).values():
+            answers.setdefault(prompt_key(turns, cfg.turns), turns)
+    done = read_done(out_path)
+    taken = {}
+    for cid, turns in conversations:
+        key = prompt_key(turns, cfg.turns)
+        if cid not in done and cid not in taken and key in answers:
+            taken[cid] = answers[key]
+    if taken:
+        with open(out_path, "a", encoding="utf-8") as f:
+            f.write("".join(jsonl_line(cid, turns) for cid, turns in taken.items()))
+            f.flush()
+            os.fsync(f.fileno())
+    log.info(f"regenerate: {len(taken)} answers reused from {', '.join(map(str, cfg.reuse))}")
+    return len(taken)
 
 
 def append_batches(

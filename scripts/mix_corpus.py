@@ -3,6 +3,12 @@ GSM8K's TRAIN split (never the test split the evaluation reads), spread evenly, 
 first N rows (the quick recipe's `data.features.max_rows`) holds the same share. It seeds the
 data folder with the ShareGPT rows' finished answers, so the data stage regenerates only the math questions.
 
+The data config does the same since session 46 (`data.mix` and `data.regenerate.reuse`, README "Stage 1";
+`data=mix_6k_gsm8k`, `experiment=cpu_full_6k_mix`). This script stays because sessions 45-46's measured runs
+were built with it: it takes every row of a regenerated.jsonl (the 6k file holds 7,097, the 2k set's seeded
+rows included, where the 6k recipe draws 6,315) and shuffles GSM8K with `random.shuffle`, where the config
+draws both corpora with `subsample`, so their rows differ.
+
     SPECBLOCK_DATASETS=../shared/datasets python scripts/mix_corpus.py --out checkpoints/data/mix-sg630-gsm210
     python -m specblock.train experiment=quick drafter=specblock run_name=quick_mix-specblock \\
       data.run_name=mix-sg630-gsm210 data.out_dir=checkpoints/data/mix-sg630-gsm210 \\
@@ -28,7 +34,7 @@ import os
 import random
 from pathlib import Path
 
-from specblock.data.corpora import CorpusConfig, load_conversations
+from specblock.data.corpora import CorpusConfig, interleave, load_conversations
 from specblock.data.io import atomic_path
 from specblock.data.regenerate import jsonl_line
 
@@ -45,21 +51,6 @@ def gsm8k_rows(path: Path, count: int, seed: int) -> list[dict]:
     return [
         {"id": f"gsm8k-train-{i}", "messages": turns} for i, (_, turns) in enumerate(conversations[:count])
     ]
-
-
-def interleave(main: list, extra: list) -> list:
-    """main and extra in one list, extra spread evenly: extra's k-th row (0-based) sits at the first
-    position p with p + 1 >= (k + 1) * (len(main) + len(extra)) / len(extra)."""
-    every = (len(main) + len(extra)) / len(extra) if extra else 0
-    out, i, k = [], 0, 0
-    for p in range(len(main) + len(extra)):
-        if k < len(extra) and p + 1 >= (k + 1) * every:
-            out.append(extra[k])
-            k += 1
-        else:
-            out.append(main[i])
-            i += 1
-    return out
 
 
 def main() -> None:

@@ -18,14 +18,6 @@ mix = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(mix)
 
 
-def test_interleave_spreads_the_extra_rows_evenly_and_keeps_both_orders():
-    out = mix.interleave(list(range(9)), ["a", "b", "c"])
-    assert out == [0, 1, 2, "a", 3, 4, 5, "b", 6, 7, 8, "c"]  # one in four, as in any prefix of 4k rows
-    assert mix.interleave([1, 2], []) == [1, 2]
-    uneven = mix.interleave(list(range(5)), ["x", "y"])
-    assert [v for v in uneven if isinstance(v, int)] == list(range(5)) and uneven == [0, 1, 2, "x", 3, 4, "y"]
-
-
 def test_gsm8k_rows_are_seeded_and_bad_rows_named(tmp_path):
     path = tmp_path / "train.jsonl"
     path.write_text(

@@ -255,3 +255,32 @@ def test_default_source_is_the_packaged_sharegpt_json(tmp_path, monkeypatch):
         turns[-1]["role"] in ("user", "assistant") and any(t["role"] == "assistant" for t in turns)
         for _, turns in rows
     )
+
+
+def test_interleave_spreads_the_extra_rows_evenly_and_keeps_both_orders():
+    out = corpora.interleave(list(range(9)), ["a", "b", "c"])
+    assert out == [0, 1, 2, "a", 3, 4, 5, "b", 6, 7, 8, "c"]  # one in four, as in any prefix of 4k rows
+    assert corpora.interleave([1, 2], []) == [1, 2]
+    uneven = corpora.interleave(list(range(5)), ["x", "y"])
+    assert [v for v in uneven if isinstance(v, int)] == list(range(5)) and uneven == [0, 1, 2, "x", 3, 4, "y"]
+
+
+def test_a_mixture_of_two_corpora_keeps_each_corpus_s_own_draw(tmp_path):
+    main = tmp_path / "chat.jsonl"
+    main.write_text(
+        "".join(
+            json.dumps(
+                {"messages": [{"role": "user", "content": f"c{i}"}, {"role": "assistant", "content": "ok"}]}
+            )
+            + "\n"
+            for i in range(6)
+        )
+    )
+    qa = tmp_path / "math.jsonl"
+    qa.write_text("".join(json.dumps({"question": f"q{i}", "answer": "4"}) + "\n" for i in range(5)))
+    chat, math = CorpusConfig(source=str(main)), CorpusConfig(source=str(qa), limit=3, seed=1)
+    mixed = corpora.load_mixture(chat, [math])
+    drawn = load_conversations(math)
+    assert [c for c in mixed if c[0].startswith("math")] == drawn  # the same draw, in its order
+    assert [cid for cid, _ in mixed][2::3] == [cid for cid, _ in drawn]  # every third row
+    assert corpora.load_mixture(chat, []) == load_conversations(chat)

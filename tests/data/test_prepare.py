@@ -1,6 +1,7 @@
 """The data stage end to end on a tiny random target saved to disk: corpus -> regenerated answers ->
 token shards + manifest -> offline features; re-running skips, a changed recipe is refused."""
 
+import json
 import logging
 from dataclasses import replace
 
@@ -11,12 +12,18 @@ from omegaconf import OmegaConf
 from tiny_models import save_chat_data
 
 from specblock.data import prepare as prep
+from specblock.data import regenerate as regen
 from specblock.data.config import FeaturesConfig, PrepareConfig, register_configs
 from specblock.data.corpora import CorpusConfig
+from specblock.data.errors import BadInputError
 from specblock.data.manifest import ManifestMismatchError, read_manifest
 from specblock.data.regenerate import RegenerateConfig
 from specblock.data.shards import TokenDataset
 from specblock.data.target import TargetConfig
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in open(path, encoding="utf-8")]
 
 
 @pytest.fixture()
@@ -113,3 +120,73 @@ def test_the_prepare_config_composes_and_validates():
     with initialize_config_module("specblock.configs", version_base=None):
         with pytest.raises(Exception, match="max_length"):
             OmegaConf.to_object(compose("prepare", overrides=["data.max_length=2"]))
+
+
+def _qa_file(path, questions):
+    path.write_text("".join(json.dumps({"question": q, "answer": "four"}) + "\n" for q in questions))
+    return path
+
+
+def test_a_mixture_is_spread_among_the_rows_and_enters_the_recipe(setup, tiny_chat, tmp_path):
+    _, tok = tiny_chat
+    assert "mix" not in prep.expected_manifest(setup(), tok).extra  # shards made before data.mix stay valid
+    qa = _qa_file(tmp_path / "math.jsonl", ["two plus two", "one plus three"])
+    cfg = setup(mix=[CorpusConfig(source=str(qa), format="qa")], features=FeaturesConfig())
+    assert prep.expected_manifest(cfg, tok).extra["mix"][0]["source"] == str(qa)
+    result = prep.prepare(cfg)
+    ids = [row["id"] for row in read_jsonl(result.tokens_dir.parent / "regenerated.jsonl")]
+    # spread among the five drawn conversations (r0 r1 r2 q0 r3 r4 q1), then the prompt filter drops r3, r4
+    assert ids == ["r0", "r1", "r2", "math.jsonl:0", "math.jsonl:1"]
+    with pytest.raises(ManifestMismatchError, match="extra"):  # another mixture: the shards are refused
+        prep.prepare(
+            setup(mix=[CorpusConfig(source=str(qa), format="qa", limit=1)], features=FeaturesConfig())
+        )
+    twice = setup(mix=[CorpusConfig(source=str(qa), format="qa")] * 2, out_dir=str(tmp_path / "twice"))
+    with pytest.raises(BadInputError, match="math.jsonl:0.*unique over data.corpus and data.mix"):
+        prep.prepare(twice)
+
+
+def test_reused_answers_must_come_from_the_same_settings(setup, tmp_path, monkeypatch, caplog):
+    first = prep.prepare(setup(features=FeaturesConfig()))
+    earlier = first.tokens_dir.parent
+    monkeypatch.setattr(
+        regen, "generate_batch", lambda *a, **k: pytest.fail("a reused answer was regenerated")
+    )
+    again = setup(out_dir=str(tmp_path / "again"), features=FeaturesConfig())
+    again.regenerate = replace(again.regenerate, reuse=[str(earlier)])
+    result = prep.prepare(again)
+    assert read_jsonl(result.tokens_dir.parent / "regenerated.jsonl") == read_jsonl(
+        earlier / "regenerated.jsonl"
+    )
+    other = replace(again, out_dir=str(tmp_path / "other"))
+    other.regenerate = replace(again.regenerate, max_new_tokens=3)
+    with pytest.raises(ManifestMismatchError, match="regenerate.max_new_tokens: expected 3 vs found 4"):
+        prep.prepare(other)
+    bare = tmp_path / "bare.jsonl"  # a file with no token manifest beside it: taken on trust, with a warning
+    bare.write_bytes((earlier / "regenerated.jsonl").read_bytes())
+    other.regenerate = replace(again.regenerate, reuse=[str(bare)])
+    caplog.set_level(logging.WARNING, logger="specblock")
+    prep.prepare(replace(other, out_dir=str(tmp_path / "bare")))
+    assert "cannot be checked" in caplog.text
+
+
+def test_the_gsm8k_mixture_reads_local_copies_when_told_and_the_hub_otherwise(monkeypatch, tmp_path):
+    register_configs()
+    for root, source in ((None, "openai/gsm8k"), (str(tmp_path), str(tmp_path / "gsm8k" / "train.jsonl"))):
+        if root is None:
+            monkeypatch.delenv("SPECBLOCK_DATASETS", raising=False)
+        else:
+            monkeypatch.setenv("SPECBLOCK_DATASETS", root)
+        with initialize_config_module("specblock.configs", version_base=None):
+            config = OmegaConf.to_object(compose("prepare", overrides=["data=mix_6k_gsm8k"])).data
+        (math,) = config.mix
+        assert (math.source, math.format, math.split, math.subset, math.limit) == (
+            source,
+            "qa",
+            "train",
+            "main",
+            1600,
+        )
+        assert config.corpus.limit == 7200 and config.regenerate.reuse == [
+            "checkpoints/data/smollm2-sharegpt-regen-6k"
+        ]

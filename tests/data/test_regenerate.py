@@ -129,3 +129,44 @@ def test_top_p_keeps_the_smallest_head_reaching_p():
     c = cfg(temperature=1.0, top_p=0.8)
     seen = {int(regen.next_tokens(logits, c, torch.Generator().manual_seed(s))) for s in range(200)}
     assert seen == {0, 1}
+
+
+def test_reused_answers_are_matched_by_prompt_and_only_the_rest_is_regenerated(
+    tiny_chat, tmp_path, monkeypatch
+):
+    model, tok = tiny_chat
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    old = regenerate(model, tok, CONVS[:3], earlier / "regenerated.jsonl", cfg())
+    other = ("q0", [{"role": "user", "content": "a new question"}, {"role": "assistant", "content": "x"}])
+    # the same prompts under other ids (another corpus's naming), one prompt no earlier run answered
+    convs = [(f"m{i}", turns) for i, (_, turns) in enumerate(CONVS[:3])] + [other]
+    asked = []
+    real = regen.generate_batch
+
+    def counting(model, tok, prompts, *args, **kwargs):
+        asked.extend(p[-1]["content"] for p in prompts)
+        return real(model, tok, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(regen, "generate_batch", counting)
+    path = tmp_path / "run.jsonl"
+    out = regenerate(
+        model, tok, convs, path, cfg(reuse=[str(earlier)])
+    )  # a folder means its regenerated.jsonl
+    assert asked == ["a new question"]
+    assert [t for _, t in out[:3]] == [t for _, t in old] and [c for c, _ in out] == ["m0", "m1", "m2", "q0"]
+    assert list(read_done(path)) == ["m0", "m1", "m2", "q0"]  # the folder holds every row: self-contained
+    asked.clear()
+    assert regenerate(model, tok, convs, path, cfg(reuse=[str(earlier)])) == out and asked == []  # rerun
+    # two kept rounds: the earlier one-round rows are another prompt, so nothing is reused
+    two = regenerate(model, tok, convs[:1], tmp_path / "two.jsonl", cfg(turns=2, reuse=[str(earlier)]))
+    assert asked == ["what is the cat", "why"] and len(two[0][1]) == 4
+
+
+def test_a_missing_reuse_file_is_named(tiny_chat, tmp_path):
+    model, tok = tiny_chat
+    with pytest.raises(FileNotFoundError, match="no regenerated answers at .*/nowhere$"):
+        regenerate(model, tok, CONVS[:1], tmp_path / "r.jsonl", cfg(reuse=[str(tmp_path / "nowhere")]))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="empty/regenerated.jsonl"):
+        regenerate(model, tok, CONVS[:1], tmp_path / "r.jsonl", cfg(reuse=[str(tmp_path / "empty")]))
