@@ -47,14 +47,14 @@ class Drafts:
         # draft_length=auto: a chain verified token by token (or at temperature 0) is drafted token by token
         # while one more may pay (`auto_chain`); i.i.d. drafts, a block verifier's chain when sampling and a
         # verifier whose continuation spans the block get their length before drafting (`choose_up_front`),
-        # at least `shortest` (the loop sets it: the horizon of the continuation in force)
+        # at least the `shortest` the loop passes to `draft` (the horizon of the continuation in force)
         by_token = cfg.mode == "chain" and cfg.verifier not in CROSS_ITERATION
         by_token = by_token and (greedy or cfg.verifier == "token")
         self.up_front = bool(cfg.auto_length) and not by_token
-        self.shortest = 1
 
-    def draft(self, root: Root | None, gen: Sampler, context: list[int]) -> Draft:
-        """This iteration's draft from `root`; context: the prompt and the tokens generated so far."""
+    def draft(self, root: Root | None, gen: Sampler, context: list[int], shortest: int = 1) -> Draft:
+        """This iteration's draft from `root`; context: the prompt and the tokens generated so far; shortest:
+        the least length an up-front draft length (`up_front`) may take."""
         cfg = self.cfg
         # tree+lookup, or a tree with budget=auto: the drafter on demand (graft.py)
         if self.graft is not None:
@@ -83,7 +83,7 @@ class Drafts:
             return self.auto_chain(root, gen)
         k, length, spent = cfg.num_drafts, cfg.draft_length, self.drafter.cost.seconds
         if self.up_front:  # from past iterations only: the drafts below are verified as fixed-length ones
-            length = self.auto.choose_up_front(k, cfg.draft_length, self.shortest)
+            length = self.auto.choose_up_front(k, cfg.draft_length, shortest)
         if self.greedy:  # identical argmax drafts: the chain once, copied; greedy_path reads no draft law
             tokens, probs = greedy_draft(root, length).expand(k, -1), None
         else:

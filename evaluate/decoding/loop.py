@@ -278,9 +278,10 @@ class SpeculativeDecoder:
     def _iteration(self, prompt: list[int], out: list[int], root: Root, book: LawBook, gen: Sampler) -> Step:
         base = tuple(out)  # generated so far; the root token is out[-1]
         committed = len(prompt) + len(out) - 1  # target cache entries before the root
-        if self.drafts.up_front:  # a block reaches the newest continuation's horizon (continuations.py)
-            self.drafts.shortest = book.levels[-1].horizon - len(out) if book.levels else 1
-        draft = self.drafts.draft(root, gen, [*prompt, *out])
+        shortest = 1
+        if self.drafts.up_front and book.levels:  # a block reaches the newest continuation's horizon
+            shortest = book.levels[-1].horizon - len(out)  # (continuations.py)
+        draft = self.drafts.draft(root, gen, [*prompt, *out], shortest)
         tree = draft.tree
         target_before = self.target.seconds
         features, logits = self.target.forward([out[-1], *tree.tokens[1:]], [-1, *tree.parents[1:]])

@@ -206,9 +206,9 @@ def test_exact_law_of_an_auto_tree_with_plain_steps(exact_setup, monkeypatch):
     frozen_auto(monkeypatch, ms_per_token=1.0)
     steps, draft = [], drafts.Drafts.draft
 
-    def spy(self, root, gen, context):  # the gate below reads the context's length
+    def spy(self, root, gen, context, shortest=1):  # the gate below reads the context's length
         self.auto.context = len(context)
-        return draft(self, root, gen, context)
+        return draft(self, root, gen, context, shortest)
 
     def gate(self, n, ngram=0):
         steps.append(None if self.context % 2 else 0)
