@@ -13,12 +13,13 @@ draws both corpora with `subsample`, so their rows differ.
     python -m specblock.train experiment=quick drafter=specblock run_name=quick_mix-specblock \\
       data.run_name=mix-sg630-gsm210 data.out_dir=checkpoints/data/mix-sg630-gsm210 \\
       data.corpus.source=checkpoints/data/mix-sg630-gsm210/corpus.jsonl data.corpus.limit=null
-    # the cpu_full scale: every row of the 6k set and 1,600 questions (~18 %), then cpu_full_6k_cut's recipe
-    python scripts/mix_corpus.py --out checkpoints/data/mix-6k-gsm1600 --sharegpt-rows 7097 --gsm8k-rows 1600 \
+    # the cpu_full scale: every row of the 6k set and 1,000 questions (~12 %), then cpu_full_6k_cut's recipe
+    python scripts/mix_corpus.py --out checkpoints/data/mix-6k-gsm1000 --sharegpt-rows 7097 --gsm8k-rows 1000 \
       --sharegpt checkpoints/data/smollm2-sharegpt-regen-6k/regenerated.jsonl
     python -m specblock.train experiment=cpu_full_6k_cut run_name=cpu_full_6k_mix-specblock resume=latest \
-      data.run_name=mix-6k-gsm1600 data.out_dir=checkpoints/data/mix-6k-gsm1600 \
-      data.corpus.source=checkpoints/data/mix-6k-gsm1600/corpus.jsonl data.corpus.limit=null
+      data.run_name=mix-6k-gsm1000 data.out_dir=checkpoints/data/mix-6k-gsm1000 \
+      data.corpus.source=checkpoints/data/mix-6k-gsm1000/corpus.jsonl data.corpus.limit=null \
+      features=online data.features.enabled=false   # as experiment=cpu_full_6k_mix (its comment says why)
 
 Writes OUT/corpus.jsonl (messages format: {"id", "messages"}; the GSM8K rows' reference answers are there
 only as the format's assistant turn, the data stage answers them again) and OUT/regenerated.jsonl (the

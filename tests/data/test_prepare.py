@@ -185,7 +185,7 @@ def test_the_gsm8k_mixture_reads_local_copies_when_told_and_the_hub_otherwise(mo
             "qa",
             "train",
             "main",
-            1600,
+            1000,
         )
         assert config.corpus.limit == 7200 and config.regenerate.reuse == [
             "checkpoints/data/smollm2-sharegpt-regen-6k"
