@@ -19,7 +19,7 @@ draws both corpora with `subsample`, so their rows differ.
     python -m specblock.train experiment=cpu_full_6k_cut run_name=cpu_full_6k_mix-specblock resume=latest \
       data.run_name=mix-6k-gsm1000 data.out_dir=checkpoints/data/mix-6k-gsm1000 \
       data.corpus.source=checkpoints/data/mix-6k-gsm1000/corpus.jsonl data.corpus.limit=null \
-      features=online data.features.enabled=false   # as experiment=cpu_full_6k_mix (its comment says why)
+      data.features.cut_repeats=32   # the capture cut as training cuts: about half the tokens
 
 Writes OUT/corpus.jsonl (messages format: {"id", "messages"}; the GSM8K rows' reference answers are there
 only as the format's assistant turn, the data stage answers them again) and OUT/regenerated.jsonl (the
