@@ -16,7 +16,7 @@ from .target import TargetConfig
 
 # the token shards' folder under the data stage's out_dir (FeaturesConfig.subdir names the feature cache's)
 TOKENS_SUBDIR = "tokens"
-# local copies of public datasets (the evaluation's local_root=auto reads the same variable)
+# local copies of public datasets: the corpora's `local_or_hub` and the evaluation's local_root=auto
 DATASETS_ENV = "SPECBLOCK_DATASETS"
 
 

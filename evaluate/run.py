@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 import torch
 from tqdm.auto import tqdm
 
+from specblock.data.config import DATASETS_ENV
 from specblock.data.hardware import resolve_layout, set_weight_layout
 from specblock.data.evalsets import EvalPrompt, EvalSet, EvalSetConfig, load_eval_set, turn_ids
 from specblock.data.io import atomic_path
@@ -52,7 +53,6 @@ from .reporting.report import (
 log = logging.getLogger(__name__)
 
 # local_root=auto reads the evaluation files from the folder this variable names (README "Evaluation data").
-DATASETS_ENV = "SPECBLOCK_DATASETS"
 SEPARATOR = ":"  # method labels: "<drafter>:<method>", e.g. "specblock:tree"
 # Seed offset of turn k of a prompt: a large prime, so that no turn of one prompt reuses the seed of
 # another prompt's first turn (prompt i's first turn keeps seed * 100_003 + i, as before turns existed).
